@@ -1,0 +1,3 @@
+from specshim.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,348 @@
+"""The patch record, its gating, and the apply/revert machinery.
+
+A patch replaces one attribute of one module (``module`` + dotted ``attribute``)
+with a wrapper built from the original. It attaches lazily: a wrapt post-import
+hook fires when the target module is imported (or at once, if it already is), so
+``import specshim`` imports neither torch nor vllm.
+
+The probe on the live object decides whether a patch is needed; the version
+range is advice that only shows up in the report.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.metadata
+import logging
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import wrapt
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Incompatible",
+    "NotNeeded",
+    "Patch",
+    "PatchRecord",
+    "SpecShimError",
+    "SpecShimWarning",
+    "State",
+    "apply",
+    "records",
+    "register",
+    "registry",
+    "revert",
+]
+
+
+class SpecShimError(RuntimeError):
+    """A patch could not be applied, or specshim refused unsafe input."""
+
+
+class SpecShimWarning(UserWarning):
+    """An optional patch could not be applied."""
+
+
+class NotNeeded(Exception):  # noqa: N818 - a probe outcome, not an error
+    """Raised by a probe: the upstream change is absent, leave the target alone."""
+
+
+class Incompatible(Exception):  # noqa: N818 - a probe outcome, turned into an error
+    """Raised by a probe: the target has a shape this patch does not know."""
+
+    def __init__(self, expected: str, found: str) -> None:
+        super().__init__(f"expected {expected}; found {found}")
+        self.expected = expected
+        self.found = found
+
+
+class State(str, enum.Enum):
+    PENDING = "pending"  # target module not imported in this process (yet)
+    APPLIED = "applied"
+    NOT_NEEDED = "not needed"
+    DISABLED = "disabled"
+    INCOMPATIBLE = "incompatible"
+    FAILED = "failed"
+
+
+Probe = Callable[[Any], None]
+Build = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One fix for one upstream change, declared next to its explanation.
+
+    ``probe(original)`` returns if the patch is needed and applicable, raises
+    ``NotNeeded`` if the upstream change is absent, or ``Incompatible`` if the
+    target looks like nothing this patch was written for. ``build(original)``
+    returns the replacement. ``replaces`` marks a full replacement: no other
+    patch may target the same attribute. Otherwise wrappers stack in order.
+    """
+
+    id: str
+    process: str  # "main" or "worker"
+    module: str
+    attribute: str
+    package: str
+    versions: str
+    probe: Probe
+    build: Build
+    why: str
+    upstream: str
+    remove_when: str
+    drift_rows: tuple[int, ...] = ()
+    optional: bool = False
+    replaces: bool = False
+
+    @property
+    def target(self) -> str:
+        return f"{self.module}:{self.attribute}"
+
+
+@dataclass
+class PatchRecord:
+    patch: Patch
+    state: State = State.PENDING
+    detail: str = ""
+    owner: Any = field(default=None, repr=False)
+    original: Any = field(default=None, repr=False)
+    had_attribute: bool = True
+
+
+_MISSING = object()
+_lock = threading.RLock()
+_patches: dict[str, Patch] = {}
+_records: dict[str, PatchRecord] = {}
+_hooked_modules: set[str] = set()
+_active = False
+
+
+def register(patch: Patch) -> Patch:
+    """Add a patch to the registry (at import of its file)."""
+    with _lock:
+        if patch.id in _patches:
+            raise SpecShimError(f"two patches share the id {patch.id!r}")
+        for other in _patches.values():
+            same = other.target == patch.target
+            if same and (other.replaces or patch.replaces):
+                raise SpecShimError(
+                    f"patches {other.id!r} and {patch.id!r} both target "
+                    f"{patch.target} and one of them replaces it outright; "
+                    "they cannot both apply"
+                )
+        _patches[patch.id] = patch
+        _records[patch.id] = PatchRecord(patch)
+    return patch
+
+
+def registry() -> list[Patch]:
+    """Every registered patch, in apply order."""
+    _load_patch_modules()
+    return list(_patches.values())
+
+
+def records() -> list[PatchRecord]:
+    """Each patch's state in this process, in apply order."""
+    _load_patch_modules()
+    return list(_records.values())
+
+
+def disabled_ids() -> set[str]:
+    raw = os.environ.get("SPECSHIM_DISABLE", "")
+    return {item.strip() for item in raw.split(",") if item.strip()}
+
+
+def strict() -> bool:
+    return os.environ.get("SPECSHIM_STRICT", "").lower() in ("1", "true", "yes")
+
+
+def apply() -> None:
+    """Arm every patch: apply now where the target module is loaded, else on import.
+
+    Idempotent. Safe to call from every vLLM process (the plugin does).
+    """
+    global _active
+    _load_patch_modules()
+    with _lock:
+        unknown = disabled_ids() - set(_patches)
+        if unknown:
+            warnings.warn(
+                f"SPECSHIM_DISABLE names unknown patches: {sorted(unknown)}; "
+                f"known ids: {sorted(_patches)}",
+                SpecShimWarning,
+                stacklevel=2,
+            )
+        _active = True
+        for module in dict.fromkeys(p.module for p in _patches.values()):
+            if module not in _hooked_modules:
+                _hooked_modules.add(module)
+                # Fires at once if the module is already imported.
+                wrapt.register_post_import_hook(_on_import, module)
+            elif module in sys.modules:
+                _on_import(sys.modules[module])
+
+
+def revert() -> None:
+    """Restore every original attribute and stop patching future imports."""
+    global _active
+    with _lock:
+        _active = False
+        for record in reversed(list(_records.values())):
+            if record.state is State.APPLIED:
+                _restore(record)
+            record.state, record.detail = State.PENDING, ""
+            record.owner = record.original = None
+
+
+def _on_import(module: Any) -> None:
+    with _lock:
+        if not _active:
+            return
+        applied = []
+        for record in _records.values():
+            if record.patch.module == module.__name__ and record.state in (
+                State.PENDING,
+            ):
+                _apply_one(record, module)
+                if record.state is State.APPLIED:
+                    applied.append(record.patch.id)
+        if applied:
+            logger.info(
+                "specshim: applied %d patch(es) to %s: %s",
+                len(applied),
+                module.__name__,
+                ", ".join(applied),
+            )
+
+
+def _apply_one(record: PatchRecord, module: Any) -> None:
+    patch = record.patch
+    if patch.id in disabled_ids():
+        record.state, record.detail = State.DISABLED, "SPECSHIM_DISABLE"
+        return
+    try:
+        owner, name = _resolve_owner(module, patch.attribute)
+        original = getattr(owner, name, _MISSING)
+        patch.probe(None if original is _MISSING else original)
+    except NotNeeded as exc:
+        record.state, record.detail = State.NOT_NEEDED, str(exc)
+        return
+    except Incompatible as exc:
+        record.state, record.detail = State.INCOMPATIBLE, str(exc)
+        _complain(record, exc.expected, exc.found)
+        return
+    except AttributeError as exc:
+        record.state, record.detail = State.INCOMPATIBLE, str(exc)
+        _complain(record, f"{patch.attribute} in {patch.module}", f"no such name ({exc})")
+        return
+    try:
+        replacement = patch.build(None if original is _MISSING else original)
+        _set(owner, name, replacement)
+    except Exception as exc:
+        record.state, record.detail = State.FAILED, f"{type(exc).__name__}: {exc}"
+        _complain(record, "the replacement to build and install", record.detail)
+        return
+    record.owner, record.original = owner, original
+    record.had_attribute = original is not _MISSING
+    record.state = State.APPLIED
+    record.detail = "replaced" if record.had_attribute else "added"
+    logger.debug("specshim: %s %s (%s)", record.detail, patch.target, patch.id)
+
+
+def _resolve_owner(module: Any, attribute: str) -> tuple[Any, str]:
+    *path, name = attribute.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    if isinstance(owner, type):
+        # Keep staticmethod/classmethod wrappers out of it: we only patch
+        # plain functions and classes, and setattr on a class binds normally.
+        type.__setattr__(owner, name, value)
+    else:
+        setattr(owner, name, value)
+
+
+def _restore(record: PatchRecord) -> None:
+    owner, name = _resolve_owner_for_restore(record)
+    if record.had_attribute:
+        _set(owner, name, record.original)
+    else:
+        delattr(owner, name)
+
+
+def _resolve_owner_for_restore(record: PatchRecord) -> tuple[Any, str]:
+    return record.owner, record.patch.attribute.rsplit(".", 1)[-1]
+
+
+def _complain(record: PatchRecord, expected: str, found: str) -> None:
+    patch = record.patch
+    message = (
+        f"specshim patch {patch.id!r} cannot apply ({record.state.value}).\n"
+        f"  target:    {patch.target} (runs in the {patch.process} process)\n"
+        f"  expected:  {expected}\n"
+        f"  found:     {found}\n"
+        f"  installed: {installed_versions_line()}\n"
+        f"  meant for: {patch.package} {patch.versions}\n"
+        f"  to override: SPECSHIM_DISABLE={patch.id} skips this patch (at your "
+        "own risk); `python -m specshim doctor` shows every patch's state."
+    )
+    if patch.optional and not strict():
+        warnings.warn(message, SpecShimWarning, stacklevel=3)
+        return
+    raise SpecShimError(message)
+
+
+def installed_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def installed_versions_line() -> str:
+    names = ("vllm", "speculators", "torch", "transformers")
+    return ", ".join(f"{n} {installed_version(n) or 'missing'}" for n in names)
+
+
+def version_advice(patch: Patch) -> str:
+    """'in range', 'outside range' or 'unknown' for the installed package."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    raw = installed_version(patch.package)
+    if raw is None:
+        return "unknown"
+    try:
+        version = Version(raw)
+    except InvalidVersion:
+        return "unknown"
+    # Compare on the release only: 0.16.0rc2, 0.16.0+cpu and 0.16.1.dev3 all
+    # belong to the 0.16 line as far as API drift is concerned.
+    release = Version(".".join(str(p) for p in version.release))
+    inside = SpecifierSet(patch.versions).contains(release, prereleases=True)
+    return "in range" if inside else "outside range"
+
+
+_loaded = False
+
+
+def _load_patch_modules() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from specshim import patches
+
+    patches.load_all()

@@ -1,0 +1,39 @@
+"""The patch set, one file per upstream change.
+
+``main/`` holds patches to speculators' generator module (the process that builds
+the scheduler); ``worker/`` holds patches to its worker extension (inside every
+vLLM worker). The order below is the apply order; wrappers on the same target
+stack in this order. Removing a patch = deleting its file and its line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+MAIN = (
+    "scheduler_config_initvars",
+    "chunked_prefill_off",
+    "async_scheduling_off",
+    "prefix_caching_off",
+    "cpu_mla_disable",
+    "kv_cache_config_args",
+    "cpu_kv_cache_space",
+    "scheduler_block_size",
+    "request_args",
+    "execute_then_sample",
+    "rpc_unique_reply",
+    "generate_guard",
+)
+WORKER = (
+    "eagle3_gate",
+    "capture_hooks",
+    "captured_layout_rpc",
+)
+
+
+def load_all() -> None:
+    """Import every patch file; each registers its patch on import."""
+    for name in MAIN:
+        importlib.import_module(f"specshim.patches.main.{name}")
+    for name in WORKER:
+        importlib.import_module(f"specshim.patches.worker.{name}")

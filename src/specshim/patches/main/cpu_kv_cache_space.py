@@ -1,0 +1,73 @@
+"""KV-cache sizing without CUDA: use vLLM's CPU KV-cache space.
+
+Why:
+    speculators sizes its KV cache as ``torch.cuda.mem_get_info()[0] *
+    gpu_memory_utilization * CACHE_MEMORY_FRACTION``. On a host with no CUDA
+    device ``torch.cuda.mem_get_info()`` raises, so the generator cannot start
+    on vLLM's CPU backend. On the CPU platform speculators' module sees a
+    ``torch`` whose ``cuda.mem_get_info()`` reports vLLM's CPU KV-cache space
+    (``VLLM_CPU_KVCACHE_SPACE`` GiB, or vLLM's own default) as free memory, so
+    speculators' own fractions apply to the memory vLLM set aside for KV cache.
+    Everything else in that ``torch`` is the real module.
+Upstream change:
+    Not drift: speculators assumes a CUDA device.
+Remove when:
+    speculators sizes the KV cache through vLLM's platform API.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import wrapt
+
+from specshim._registry import NotNeeded, Patch, register
+from specshim.patches._util import GENERATOR
+
+
+def _cpu_kv_cache_space() -> int:
+    from vllm.platforms.cpu import CpuPlatform
+
+    return int(CpuPlatform.get_device_total_memory())
+
+
+class _CudaOnCpu(wrapt.ObjectProxy):  # type: ignore[misc]
+    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
+        space = _cpu_kv_cache_space()
+        return space, space
+
+    def empty_cache(self) -> None:
+        return None
+
+
+class _TorchOnCpu(wrapt.ObjectProxy):  # type: ignore[misc]
+    __specshim__ = True
+
+    @property
+    def cuda(self) -> Any:
+        return _CudaOnCpu(self.__wrapped__.cuda)
+
+
+def _probe(original: Any) -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise NotNeeded(f"platform is {current_platform.device_type!r}, not cpu")
+
+
+PATCH = register(
+    Patch(
+        id="cpu-kv-cache-space",
+        process="main",
+        module=GENERATOR,
+        attribute="torch",
+        package="vllm",
+        versions=">=0.11",
+        probe=_probe,
+        build=_TorchOnCpu,
+        why=__doc__ or "",
+        upstream="none: speculators calls torch.cuda.mem_get_info()",
+        remove_when="speculators sizes the KV cache through vLLM's platform",
+        drift_rows=(9,),
+    )
+)

@@ -1,0 +1,56 @@
+"""``execute_model`` must be followed by ``sample_tokens``.
+
+Why:
+    speculators calls ``executor.execute_model(scheduler_output)`` once per step
+    and ignores the result. vLLM split a step in two: ``execute_model`` returns
+    None and keeps the step's state in the workers until ``sample_tokens
+    (grammar_output)`` is called. Without it the next step fails with "State
+    error: sample_tokens() must be called after execute_model() returns None".
+    speculators' view of the executor calls ``sample_tokens(None)`` (no
+    structured output) whenever ``execute_model`` returns None. vLLM's own
+    engine, which calls the executor directly, is untouched.
+Upstream change:
+    vLLM 0.12: ``Executor.sample_tokens``; ``execute_model`` may return None.
+Remove when:
+    speculators calls ``sample_tokens`` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import wrapt
+
+from specshim._registry import NotNeeded, Patch, register
+from specshim.patches._util import GENERATOR, upstream, wrap_result
+
+
+class _ExecuteThenSample(wrapt.ObjectProxy):  # type: ignore[misc]
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        output = self.__wrapped__.execute_model(scheduler_output, *args, **kwargs)
+        if output is None:
+            output = self.__wrapped__.sample_tokens(None)
+        return output
+
+
+def _probe(original: Any) -> None:
+    if not hasattr(upstream(original), "sample_tokens"):
+        raise NotNeeded("the executor has no sample_tokens step")
+
+
+PATCH = register(
+    Patch(
+        id="execute-then-sample",
+        process="main",
+        module=GENERATOR,
+        attribute="MultiprocExecutor",
+        package="vllm",
+        versions=">=0.12",
+        probe=_probe,
+        build=lambda original: wrap_result(original, _ExecuteThenSample),
+        why=__doc__ or "",
+        upstream="vLLM 0.12: execute_model/sample_tokens split",
+        remove_when="speculators calls sample_tokens",
+        drift_rows=(7,),
+    )
+)

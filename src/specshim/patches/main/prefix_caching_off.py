@@ -1,0 +1,56 @@
+"""Prefix caching off in the generator's CacheConfig (correctness guard).
+
+Why:
+    speculators captures hidden states of the tokens the model *computes*. With
+    prefix caching on, a shared system prompt or a duplicate prompt hits the
+    cache and its rows are never computed: those sequences come back with
+    missing rows and every later sequence is shifted, with no error. (Without a
+    block hasher it fails instead with ``assert len(request.block_hashes) >=
+    num_full_blocks`` in block_pool; adding a hasher alone turns that loud
+    failure into the silent one.) Extraction must compute every token.
+Upstream change:
+    vLLM 0.12: ``CacheConfig.enable_prefix_caching`` defaults to True.
+Remove when:
+    speculators passes ``enable_prefix_caching=False`` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specshim._registry import Incompatible, NotNeeded, Patch, register
+from specshim.patches._util import GENERATOR, adapt_kwargs, parameters
+
+
+def _probe(original: Any) -> None:
+    params = parameters(original)
+    if "enable_prefix_caching" not in params:
+        raise Incompatible(
+            "CacheConfig(..., enable_prefix_caching=...)",
+            "no enable_prefix_caching parameter",
+        )
+    if params["enable_prefix_caching"].default in (False, None):
+        raise NotNeeded("prefix caching is off by default")
+
+
+def _off(kwargs: dict[str, Any]) -> dict[str, Any]:
+    kwargs["enable_prefix_caching"] = False
+    return kwargs
+
+
+PATCH = register(
+    Patch(
+        id="prefix-caching-off",
+        process="main",
+        module=GENERATOR,
+        attribute="CacheConfig",
+        package="vllm",
+        versions=">=0.12",
+        probe=_probe,
+        build=lambda original: adapt_kwargs(original, _off),
+        why=__doc__ or "",
+        upstream="vLLM 0.12: enable_prefix_caching defaults to True",
+        remove_when="speculators disables prefix caching itself",
+        drift_rows=(3,),
+    )
+)

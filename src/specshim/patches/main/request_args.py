@@ -1,0 +1,89 @@
+"""``Request`` arguments: ``eos_token_id`` gone on nightlies; block hashes.
+
+Why:
+    speculators builds ``Request(request_id=, prompt_token_ids=,
+    sampling_params=, pooling_params=, eos_token_id=, arrival_time=)``.
+    A vLLM 0.16 nightly dropped ``eos_token_id`` from the constructor
+    (``TypeError: unexpected keyword argument 'eos_token_id'``); the 0.16.0
+    release still takes it. speculators also passes no ``block_hasher``, which
+    leaves ``request.block_hashes`` empty: harmless with prefix caching off
+    (the ``prefix-caching-off`` patch), but with caching on the block pool
+    asserts ``len(request.block_hashes) >= num_full_blocks``. When the
+    generator's cache config has caching on, requests get the hasher vLLM's
+    EngineCore would give them: ``get_request_block_hasher(block_size,
+    hash_fn)`` after ``init_none_hash(hash_fn)``.
+Upstream change:
+    vLLM 0.12: ``Request(..., block_hasher=)``; a 0.16 nightly: no
+    ``eos_token_id`` (the eos id moved into the sampling params).
+Remove when:
+    speculators builds requests the way EngineCore does
+    (``Request.from_engine_core_request`` with the engine's block hasher).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from specshim._registry import NotNeeded, Patch, register
+from specshim.patches._util import GENERATOR, adapt_kwargs, parameters
+
+# The generator sets this while it builds a scheduler with prefix caching on;
+# see ``block_hasher_for``. One generator per process is the norm, but keep it
+# per thread so two generators in two threads do not mix hashers.
+_local = threading.local()
+
+
+def block_hasher_for(vllm_config: Any) -> Any:
+    """The request block hasher EngineCore would build, or None if caching is off."""
+    cache = vllm_config.cache_config
+    if not getattr(cache, "enable_prefix_caching", False):
+        return None
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    from specshim.patches.main.scheduler_block_size import scheduler_block_size
+
+    hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(scheduler_block_size(vllm_config), hash_fn)
+
+
+def set_block_hasher(hasher: Any) -> None:
+    _local.hasher = hasher
+
+
+def _probe(original: Any) -> None:
+    params = parameters(original)
+    if "eos_token_id" in params and "block_hasher" not in params:
+        raise NotNeeded("Request takes eos_token_id and has no block hashes")
+
+
+def _adapt(params: dict[str, Any]) -> Any:
+    def adapt(kwargs: dict[str, Any]) -> dict[str, Any]:
+        if "eos_token_id" not in params:
+            kwargs.pop("eos_token_id", None)
+        hasher = getattr(_local, "hasher", None)
+        if hasher is not None and "block_hasher" in params:
+            kwargs.setdefault("block_hasher", hasher)
+        return kwargs
+
+    return adapt
+
+
+PATCH = register(
+    Patch(
+        id="request-args",
+        process="main",
+        module=GENERATOR,
+        attribute="Request",
+        package="vllm",
+        versions=">=0.12",
+        probe=_probe,
+        build=lambda original: adapt_kwargs(original, _adapt(parameters(original))),
+        why=__doc__ or "",
+        upstream="vLLM 0.12: block_hasher; 0.16 nightly: no eos_token_id",
+        remove_when="speculators builds requests like EngineCore",
+        drift_rows=(6,),
+    )
+)
