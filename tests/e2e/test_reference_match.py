@@ -1,0 +1,85 @@
+"""Unmodified speculators 0.3.0 on vLLM 0.16's CPU backend, checked per token
+against a Hugging Face forward, for the batch shapes that break alignment."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from .checks import assert_batch_matches, mismatch
+from .conftest import LAYERS, MAX_MODEL_LEN
+
+pytestmark = pytest.mark.e2e
+
+VOCAB = 300  # stay inside the tiny tokenizer's real tokens
+
+
+def _seqs(rng: random.Random, count: int, low: int, high: int) -> list[list[int]]:
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def _run(generator: Any, hf_reference: Any, tiny_model_dir: Any, batch: list[list[int]]) -> None:
+    results = generator.generate(batch)
+    reference = hf_reference(tiny_model_dir(generator.specshim_model_name))
+    assert_batch_matches(results, batch, reference, LAYERS)
+
+
+def test_shared_system_prompt(generator, hf_reference, tiny_model_dir):
+    rng = random.Random(1)
+    system = [rng.randrange(VOCAB) for _ in range(64)]  # four full KV blocks
+    batch = [system + tail for tail in _seqs(rng, 8, 1, 40)]
+    _run(generator, hf_reference, tiny_model_dir, batch)
+
+
+def test_duplicate_prompts(generator, hf_reference, tiny_model_dir):
+    rng = random.Random(2)
+    prompt = [rng.randrange(VOCAB) for _ in range(50)]
+    batch = [prompt, *_seqs(rng, 2, 5, 30), prompt, prompt, *_seqs(rng, 1, 40, 60)]
+    _run(generator, hf_reference, tiny_model_dir, batch)
+
+
+def test_batch_over_token_budget(generator, hf_reference, tiny_model_dir):
+    # speculators' budget is max(8192, max_model_len) tokens a step; this batch
+    # needs two steps, and the request that straddles the budget must not be
+    # chunked (chunked prefill would cut it and speculators would abort it).
+    rng = random.Random(3)
+    batch = _seqs(rng, 12, 700, MAX_MODEL_LEN - 1)
+    assert sum(map(len, batch)) > 8192
+    _run(generator, hf_reference, tiny_model_dir, batch)
+
+
+def test_more_sequences_than_max_num_seqs(generator, hf_reference, tiny_model_dir):
+    rng = random.Random(4)
+    batch = _seqs(rng, 70, 1, 24)  # speculators schedules at most 32 a step
+    _run(generator, hf_reference, tiny_model_dir, batch)
+
+
+def test_repeated_calls_with_different_batch_sizes(generator, hf_reference, tiny_model_dir):
+    rng = random.Random(5)
+    for size in (1, 5, 3, 17, 2):
+        _run(generator, hf_reference, tiny_model_dir, _seqs(rng, size, 1, 80))
+
+
+def test_one_token_sequences(generator, hf_reference, tiny_model_dir):
+    rng = random.Random(6)
+    batch = [[7], [rng.randrange(VOCAB)], *_seqs(rng, 2, 2, 10), [7]]
+    _run(generator, hf_reference, tiny_model_dir, batch)
+
+
+def test_checks_reject_a_one_row_shift(generator, hf_reference, tiny_model_dir):
+    """The comparison is strict enough to catch the failure it exists for."""
+    rng = random.Random(7)
+    batch = _seqs(rng, 3, 30, 60)
+    results = generator.generate(batch)
+    reference = hf_reference(tiny_model_dir(generator.specshim_model_name))
+    ids = batch[1]
+    expected = reference.states(ids, LAYERS)
+    assert mismatch(results[1]["hidden_states"], expected) is None
+    import torch
+
+    # The same number of rows, moved by one: what a partial prefill upstream
+    # of this sequence would have produced.
+    shifted = [torch.cat([results[0]["hidden_states"][k][-1:], h[:-1]]) for k, h in enumerate(results[1]["hidden_states"])]
+    assert mismatch(shifted, expected) is not None
