@@ -172,7 +172,7 @@ def apply() -> None:
     global _active
     _load_patch_modules()
     with _lock:
-        unknown = disabled_ids() - set(_patches)
+        unknown = disabled_ids() - set(_patches) - {"all"}
         if unknown:
             warnings.warn(
                 f"SPECSHIM_DISABLE names unknown patches: {sorted(unknown)}; "
@@ -225,7 +225,7 @@ def _on_import(module: Any) -> None:
 
 def _apply_one(record: PatchRecord, module: Any) -> None:
     patch = record.patch
-    if patch.id in disabled_ids():
+    if patch.id in disabled_ids() or "all" in disabled_ids():
         record.state, record.detail = State.DISABLED, "SPECSHIM_DISABLE"
         return
     try:

@@ -95,11 +95,15 @@ def _record_layout(extension: Any, runner: Any) -> None:
     runner._specshim_layout_wrapped = True
 
 
+def _tp_rank() -> int:
+    from vllm.distributed import get_tp_group
+
+    return int(get_tp_group().rank_in_group)
+
+
 def setup_hidden_states_capture(self: Any, layer_ids: list[int]) -> None:
     """Replacement for ``HiddenStatesWorkerExtension._setup_hidden_states_capture``."""
     import sys
-
-    from vllm.distributed import get_tp_group
 
     custom_worker = sys.modules[WORKER]
     self._layer_ids = frozenset(layer_ids)
@@ -123,7 +127,7 @@ def setup_hidden_states_capture(self: Any, layer_ids: list[int]) -> None:
     start = getattr(stack, "start_layer", 0)
     end = getattr(stack, "end_layer", len(stack.layers))
     chosen = sorted(i for i in self._layer_ids if start <= i < end)
-    if get_tp_group().rank_in_group == 0 and chosen:
+    if _tp_rank() == 0 and chosen:
         capture = _Capture(self, chosen)
         for index in chosen:
             layer = stack.layers[index]

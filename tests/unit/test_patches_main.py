@@ -1,0 +1,291 @@
+"""Each main-process patch against small fakes, including shapes only nightlies had."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specshim._registry import Incompatible, NotNeeded, SpecShimError
+from specshim.patches.main import (
+    chunked_prefill_off,
+    cpu_kv_cache_space,
+    execute_then_sample,
+    generate_guard,
+    kv_cache_config_args,
+    prefix_caching_off,
+    request_args,
+    rpc_unique_reply,
+    scheduler_block_size,
+    scheduler_config_initvars,
+)
+
+
+def _applied(module, original):
+    module.PATCH.probe(original)
+    return module.PATCH.build(original)
+
+
+class SchedulerConfig016:
+    def __init__(self, max_model_len, is_encoder_decoder, max_num_seqs=128,
+                 max_num_batched_tokens=2048, enable_chunked_prefill=True,
+                 async_scheduling=None):
+        self.__dict__.update(locals())
+
+
+class SchedulerConfig011:
+    def __init__(self, max_num_seqs=128, max_model_len=None,
+                 max_num_batched_tokens=None, enable_chunked_prefill=False):
+        self.__dict__.update(locals())
+
+
+def test_scheduler_config_initvars_filled():
+    make = _applied(scheduler_config_initvars, SchedulerConfig016)
+    config = make(max_num_seqs=32, max_model_len=1024, max_num_batched_tokens=8192)
+    assert config.is_encoder_decoder is False and config.max_model_len == 1024
+
+
+def test_scheduler_config_initvars_not_needed_on_011():
+    with pytest.raises(NotNeeded):
+        scheduler_config_initvars.PATCH.probe(SchedulerConfig011)
+
+
+def test_chunked_prefill_forced_off():
+    make = _applied(chunked_prefill_off, SchedulerConfig016)
+    assert make(max_model_len=1, is_encoder_decoder=False).enable_chunked_prefill is False
+    with pytest.raises(NotNeeded):
+        chunked_prefill_off.PATCH.probe(SchedulerConfig011)
+    with pytest.raises(Incompatible):
+        chunked_prefill_off.PATCH.probe(lambda max_model_len: None)
+
+
+def test_stacked_scheduler_config_wrappers_see_the_upstream_signature():
+    first = _applied(scheduler_config_initvars, SchedulerConfig016)
+    second = _applied(chunked_prefill_off, first)  # probe looks through `first`
+    config = second(max_model_len=64)
+    assert config.enable_chunked_prefill is False and config.is_encoder_decoder is False
+
+
+class CacheConfig:
+    def __init__(self, block_size=16, gpu_memory_utilization=0.9, enable_prefix_caching=True):
+        self.__dict__.update(locals())
+
+
+def test_prefix_caching_forced_off():
+    make = _applied(prefix_caching_off, CacheConfig)
+    assert make(block_size=16).enable_prefix_caching is False
+
+    class Old:
+        def __init__(self, block_size=16, enable_prefix_caching=None):
+            pass
+
+    with pytest.raises(NotNeeded):
+        prefix_caching_off.PATCH.probe(Old)
+
+
+def test_kv_cache_config_drops_removed_argument():
+    def new(vllm_config, kv_cache_groups, available_memory):
+        return (vllm_config, kv_cache_groups, available_memory)
+
+    call = _applied(kv_cache_config_args, new)
+    assert call(vllm_config=1, kv_cache_groups=2, kv_cache_specs=3, available_memory=4) == (1, 2, 4)
+
+    def old(vllm_config, kv_cache_groups, kv_cache_specs, available_memory):
+        pass
+
+    with pytest.raises(NotNeeded):
+        kv_cache_config_args.PATCH.probe(old)
+    with pytest.raises(Incompatible, match="available_memory"):
+        kv_cache_config_args.PATCH.probe(lambda vllm_config, groups, memory: None)
+
+
+def _vllm_config(block=16, dcp=1, pcp=1, caching=False):
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=block, enable_prefix_caching=caching,
+                                     prefix_caching_hash_algo="sha256"),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=dcp,
+                                        prefill_context_parallel_size=pcp),
+    )
+
+
+def test_scheduler_gets_engine_core_block_size():
+    class Scheduler:
+        def __init__(self, vllm_config, kv_cache_config, structured_output_manager,
+                     block_size, mm_registry=None):
+            self.block_size = block_size
+
+    make = _applied(scheduler_block_size, Scheduler)
+    sched = make(vllm_config=_vllm_config(16, dcp=2), kv_cache_config=None,
+                 structured_output_manager=None)
+    assert sched.block_size == 32
+
+
+class RequestNightly:
+    """The 0.16 nightly shape: no eos_token_id."""
+
+    def __init__(self, request_id, prompt_token_ids, sampling_params, pooling_params,
+                 arrival_time=None, block_hasher=None):
+        self.__dict__.update(locals())
+
+
+class Request016:
+    def __init__(self, request_id, prompt_token_ids, sampling_params, pooling_params,
+                 eos_token_id, arrival_time=None, block_hasher=None):
+        self.__dict__.update(locals())
+
+
+class Request011:
+    def __init__(self, request_id, prompt_token_ids, sampling_params, pooling_params,
+                 eos_token_id, arrival_time=None):
+        pass
+
+
+SPECULATORS_REQUEST_KWARGS = dict(request_id="req_0_0", prompt_token_ids=[1], sampling_params=None,
+                                  pooling_params=None, eos_token_id=2, arrival_time=0.0)
+
+
+def test_request_without_eos_token_id_nightly():
+    make = _applied(request_args, RequestNightly)
+    req = make(**SPECULATORS_REQUEST_KWARGS)
+    assert req.block_hasher is None and not hasattr(req, "eos_token_id")
+
+
+def test_request_release_keeps_eos_and_gets_hasher_when_caching_is_on():
+    make = _applied(request_args, Request016)
+    assert make(**SPECULATORS_REQUEST_KWARGS).eos_token_id == 2
+    hasher = object()
+    request_args.set_block_hasher(hasher)
+    try:
+        assert make(**SPECULATORS_REQUEST_KWARGS).block_hasher is hasher
+    finally:
+        request_args.set_block_hasher(None)
+    assert request_args.block_hasher_for(_vllm_config(caching=False)) is None
+
+
+def test_request_not_needed_on_011():
+    with pytest.raises(NotNeeded):
+        request_args.PATCH.probe(Request011)
+
+
+class FakeExecutor:
+    """Deferred sampling and bare unique replies, like vLLM 0.16's executor."""
+
+    def __init__(self, vllm_config):
+        self.calls = []
+
+    def execute_model(self, scheduler_output, non_block=False):
+        self.calls.append(("execute_model", scheduler_output))
+        return None
+
+    def sample_tokens(self, grammar_output, non_block=False):
+        self.calls.append(("sample_tokens", grammar_output))
+        return "sampled"
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None,
+                       non_block=False, unique_reply_rank=None):
+        """Returns single result if unique_reply_rank is provided, otherwise list."""
+        return ["tensor0", "tensor1"] if unique_reply_rank is not None else [["a"], ["b"]]
+
+    def engine_step(self):
+        return self.execute_model("internal")
+
+
+def test_execute_model_is_followed_by_sample_tokens_for_speculators_only():
+    make = _applied(execute_then_sample, FakeExecutor)
+    executor = make(vllm_config=None)
+    assert executor.execute_model("so") == "sampled"
+    assert executor.calls == [("execute_model", "so"), ("sample_tokens", None)]
+    executor.calls.clear()
+    assert executor.engine_step() is None  # vLLM's own path is untouched
+    assert executor.calls == [("execute_model", "internal")]
+
+
+def test_unique_reply_comes_back_as_a_list():
+    make = _applied(rpc_unique_reply, _applied(execute_then_sample, FakeExecutor))
+    executor = make(vllm_config=None)
+    assert executor.collective_rpc("_get_captured_states", unique_reply_rank=0)[0] == [
+        "tensor0", "tensor1"]
+    assert executor.collective_rpc("get_kv_cache_spec") == [["a"], ["b"]]
+    assert executor.execute_model("so") == "sampled"
+
+
+def test_unique_reply_not_needed_when_list_returned():
+    class Old(FakeExecutor):
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None, unique_reply_rank=None):
+            """Returns list of results."""
+
+    with pytest.raises(NotNeeded):
+        rpc_unique_reply.PATCH.probe(Old)
+
+
+def test_cpu_torch_view_reports_kv_space_and_forwards_the_rest(monkeypatch):
+    monkeypatch.setattr(cpu_kv_cache_space, "_cpu_kv_cache_space", lambda: 3 << 30)
+    view = cpu_kv_cache_space.PATCH.build(torch)
+    assert view.cuda.mem_get_info() == (3 << 30, 3 << 30)
+    view.cuda.empty_cache()
+    assert view.as_tensor([1]).dtype == torch.long
+    assert isinstance(torch.zeros(1), view.Tensor)
+
+
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        ([], "empty batch"),
+        ([[1, 2], []], "sequence 1 is empty"),
+        ([[1, 320]], "token id 320"),
+        ([[-1, 3]], "token id -1"),
+    ],
+)
+def test_generate_inputs_rejected(batch, message):
+    with pytest.raises(SpecShimError, match=message):
+        generate_guard.check_inputs(batch, vocab_size=320, max_model_len=16)
+
+
+def test_generate_input_tensor_and_long_sequences_warn(caplog):
+    with caplog.at_level(logging.WARNING):
+        generate_guard.check_inputs(torch.ones(3, 20, dtype=torch.long), 320, 16)
+    assert "3 of 3 sequences are longer" in caplog.text
+
+
+def _results(lengths, rows):
+    out, offset = [], 0
+    for n in lengths:
+        out.append({"input_ids": torch.zeros(n), "hidden_states": [rows[offset:offset + n]]})
+        offset += n
+    return out
+
+
+def test_realign_reslices_rows_that_came_back_in_another_order():
+    rows = torch.arange(6.0).unsqueeze(1)  # rows 0-1 belong to req 1, rows 2-5 to req 0
+    results = _results([4, 2], rows)  # speculators' positional slicing
+    fixed = generate_guard.realign(results, [("req_3_1", 2), ("req_3_0", 4)], counter=3)
+    assert fixed[0]["hidden_states"][0].flatten().tolist() == [2, 3, 4, 5]
+    assert fixed[1]["hidden_states"][0].flatten().tolist() == [0, 1]
+
+
+def test_realign_accepts_input_order_and_ignores_other_calls():
+    results = _results([2, 1], torch.arange(3.0).unsqueeze(1))
+    layout = [("req_2_0", 9), ("req_3_0", 2), ("req_3_1", 1)]
+    assert generate_guard.realign(results, layout, counter=3) is results
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [("req_0_0", 2)],  # second request never computed (did not fit the cache)
+        [("req_0_0", 2), ("req_0_1", 1)],  # partial prefill
+        [("req_0_0", 1), ("req_0_0", 1), ("req_0_1", 2)],  # chunked across steps
+    ],
+)
+def test_realign_refuses_incomplete_rows(layout):
+    results = _results([2, 2], torch.zeros(4, 1))
+    with pytest.raises(SpecShimError, match="do not line up"):
+        generate_guard.realign(results, layout, counter=0)
+
+
+def test_shape_check_without_layout():
+    results = _results([2, 2], torch.zeros(3, 1))
+    with pytest.raises(SpecShimError, match="sequence 1 has 2 tokens but 1"):
+        generate_guard.check_shapes(results)

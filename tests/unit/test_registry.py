@@ -1,0 +1,222 @@
+"""The registry on throwaway modules: lazy attach, states, stacking, revert."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from specshim import _registry
+from specshim._registry import Incompatible, NotNeeded, Patch, SpecShimError, State
+
+SOURCE = """
+def greet(name):
+    return "hello " + name
+
+class Thing:
+    def size(self):
+        return 1
+"""
+
+
+def _patch(module: str, **overrides) -> Patch:
+    fields = dict(
+        id="shout",
+        process="main",
+        module=module,
+        attribute="greet",
+        package="vllm",
+        versions=">=0.12",
+        probe=lambda original: None,
+        build=lambda original: (lambda name: original(name).upper()),
+        why="w",
+        upstream="u",
+        remove_when="r",
+    )
+    fields.update(overrides)
+    return _registry.register(Patch(**fields))
+
+
+def _state(patch_id: str) -> State:
+    return _registry._records[patch_id].state
+
+
+def test_patch_attaches_when_the_module_is_imported(isolated_registry, fake_module):
+    name = fake_module(SOURCE)
+    _patch(name)
+    _registry.apply()
+    assert name not in sys.modules
+    assert _state("shout") is State.PENDING
+    module = importlib.import_module(name)
+    assert module.greet("x") == "HELLO X"
+    assert _state("shout") is State.APPLIED
+
+
+def test_patch_attaches_at_once_if_already_imported(isolated_registry, fake_module):
+    module = importlib.import_module(fake_module(SOURCE))
+    _patch(module.__name__)
+    _registry.apply()
+    assert module.greet("x") == "HELLO X"
+
+
+def test_apply_twice_is_a_no_op_and_revert_restores(isolated_registry, fake_module):
+    module = importlib.import_module(fake_module(SOURCE))
+    original = module.greet
+    _patch(module.__name__)
+    _registry.apply()
+    _registry.apply()
+    assert module.greet("x") == "HELLO X"  # wrapped once, not twice
+    _registry.revert()
+    assert module.greet is original
+    assert _state("shout") is State.PENDING
+
+
+def test_added_attribute_is_removed_on_revert(isolated_registry, fake_module):
+    module = importlib.import_module(fake_module(SOURCE))
+    _patch(module.__name__, attribute="Thing.extra", build=lambda original: lambda self: 2)
+    _registry.apply()
+    assert module.Thing().extra() == 2
+    assert _registry._records["shout"].detail == "added"
+    _registry.revert()
+    assert not hasattr(module.Thing, "extra")
+
+
+def test_not_needed_leaves_target_alone(isolated_registry, fake_module):
+    module = importlib.import_module(fake_module(SOURCE))
+    original = module.greet
+
+    def probe(original):
+        raise NotNeeded("already fine")
+
+    _patch(module.__name__, probe=probe)
+    _registry.apply()
+    assert module.greet is original
+    assert _state("shout") is State.NOT_NEEDED
+
+
+def test_disabled_by_environment(isolated_registry, fake_module, monkeypatch):
+    monkeypatch.setenv("SPECSHIM_DISABLE", "shout, other")
+    module = importlib.import_module(fake_module(SOURCE))
+    original = module.greet
+    _patch(module.__name__)
+    _patch(module.__name__, id="other", attribute="Thing.size")
+    _registry.apply()
+    assert module.greet is original
+    assert _state("shout") is State.DISABLED
+
+
+def test_disable_all(isolated_registry, fake_module, monkeypatch):
+    monkeypatch.setenv("SPECSHIM_DISABLE", "all")
+    module = importlib.import_module(fake_module(SOURCE))
+    original = module.greet
+    _patch(module.__name__)
+    _registry.apply()
+    assert module.greet is original
+    assert _state("shout") is State.DISABLED
+
+
+def test_unknown_disabled_id_warns(isolated_registry, fake_module, monkeypatch):
+    monkeypatch.setenv("SPECSHIM_DISABLE", "no-such-patch")
+    _patch(fake_module(SOURCE))
+    with pytest.warns(_registry.SpecShimWarning, match="no-such-patch"):
+        _registry.apply()
+
+
+def test_incompatible_raises_with_diagnosis(isolated_registry, fake_module):
+    name = fake_module(SOURCE)
+
+    def probe(original):
+        raise Incompatible("greet(name, *, loud)", "greet(name)")
+
+    _patch(name, probe=probe)
+    _registry.apply()
+    with pytest.raises(SpecShimError) as info:
+        importlib.import_module(name)
+    message = str(info.value)
+    for needle in ("'shout'", f"{name}:greet", "greet(name, *, loud)", "found:", "vllm ", "SPECSHIM_DISABLE=shout"):
+        assert needle in message
+    assert _state("shout") is State.INCOMPATIBLE
+
+
+def test_optional_incompatible_warns_unless_strict(isolated_registry, fake_module, monkeypatch):
+    def probe(original):
+        raise Incompatible("a", "b")
+
+    module = importlib.import_module(fake_module(SOURCE))
+    _patch(module.__name__, probe=probe, optional=True)
+    with pytest.warns(_registry.SpecShimWarning, match="cannot apply"):
+        _registry.apply()
+    assert _state("shout") is State.INCOMPATIBLE
+
+    _registry.revert()
+    monkeypatch.setenv("SPECSHIM_STRICT", "1")
+    with pytest.raises(SpecShimError):
+        _registry.apply()
+
+
+def test_missing_target_is_incompatible(isolated_registry, fake_module):
+    module = importlib.import_module(fake_module(SOURCE))
+    _patch(module.__name__, attribute="Nope.greet")
+    with pytest.raises(SpecShimError, match="no such name"):
+        _registry.apply()
+
+
+def test_failed_build_is_reported(isolated_registry, fake_module):
+    module = importlib.import_module(fake_module(SOURCE))
+
+    def build(original):
+        raise RuntimeError("boom")
+
+    _patch(module.__name__, build=build)
+    with pytest.raises(SpecShimError, match="boom"):
+        _registry.apply()
+    assert _state("shout") is State.FAILED
+
+
+def test_wrappers_on_one_target_stack_and_unwind(isolated_registry, fake_module):
+    module = importlib.import_module(fake_module(SOURCE))
+    original = module.greet
+    _patch(module.__name__)
+    _patch(module.__name__, id="exclaim", build=lambda o: (lambda name: o(name) + "!"))
+    _registry.apply()
+    assert module.greet("x") == "HELLO X!"
+    _registry.revert()
+    assert module.greet is original
+
+
+def test_replacement_conflicts_fail_loudly(isolated_registry, fake_module):
+    name = fake_module(SOURCE)
+    _patch(name, replaces=True)
+    with pytest.raises(SpecShimError, match="'shout' and 'other'"):
+        _patch(name, id="other")
+
+
+def test_duplicate_ids_fail(isolated_registry, fake_module):
+    name = fake_module(SOURCE)
+    _patch(name)
+    with pytest.raises(SpecShimError, match="share the id"):
+        _patch(name, attribute="Thing.size")
+
+
+@pytest.mark.parametrize(
+    ("installed", "advice"),
+    [
+        ("0.16.0", "in range"),
+        ("0.16.0+cpu", "in range"),
+        ("0.16.0rc2", "in range"),
+        ("0.16.1.dev3+g1234", "in range"),
+        ("0.11.0", "outside range"),
+        ("nightly-build", "unknown"),
+    ],
+)
+def test_version_advice_handles_local_pre_and_unparseable(monkeypatch, installed, advice):
+    monkeypatch.setattr(_registry, "installed_version", lambda package: installed)
+    patch = Patch("x", "main", "m", "a", "vllm", ">=0.12", lambda o: None, lambda o: o, "", "", "")
+    assert _registry.version_advice(patch) == advice
+
+
+def test_import_specshim_pulls_in_neither_torch_nor_vllm():
+    code = "import specshim, sys; assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
