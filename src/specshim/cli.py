@@ -37,6 +37,27 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if failures or bad or not data["plugin"]["installed"] else 0
 
 
+def _table(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specshim._table import patch_table, render_into
+
+    if args.write:
+        path = Path(args.write)
+        path.write_text(render_into(path.read_text()))
+    else:
+        print(patch_table())
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specshim._demo import run
+
+    return run(Path(args.cache) if args.cache else None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specshim",
@@ -54,6 +75,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.set_defaults(func=_doctor)
+    demo = commands.add_parser(
+        "demo",
+        help="run the whole path on a tiny model specshim builds itself",
+        description=(
+            "Build a tiny DeepSeek-V3-style MoE checkpoint (cached), run speculators' "
+            "unmodified generator on vLLM's CPU backend, and check every captured "
+            "layer against Hugging Face.\n\nexample: specshim demo"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("--cache", help="where to keep the tiny model (default ~/.cache/specshim)")
+    demo.set_defaults(func=_demo)
+    table = commands.add_parser(
+        "table",
+        help="print the patch table (markdown) generated from the registry",
+        description="example: specshim table --write README.md",
+    )
+    table.add_argument("--write", metavar="README", help="update the table in this file")
+    table.set_defaults(func=_table)
     return parser
 
 
