@@ -187,7 +187,7 @@ class _Progress:
         elif time.monotonic() - self.last_log >= 30 or self.done == self.total:
             self.last_log = time.monotonic()
             logger.info(
-                "extract: %d/%d samples, %,.0f tok/s, ETA %.0f s",
+                "extract: %d/%d samples, %.0f tok/s, ETA %.0f s",
                 self.done, self.total, rate, eta,
             )
 
@@ -233,10 +233,10 @@ def extract(options: ExtractOptions) -> dict[str, Any]:
             written += len(batch)
             tokens += sum(len(s.input_ids) for s in batch)
             progress.update(len(batch), sum(len(s.input_ids) for s in batch))
+        seconds = time.monotonic() - started
     finally:
         progress.close()
         _shutdown(generator)
-    seconds = time.monotonic() - started
     return counts | {"written": written, "tokens": tokens, "seconds": seconds}
 
 
