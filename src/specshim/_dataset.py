@@ -57,10 +57,13 @@ def read_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
             try:
                 record = json.loads(raw)
             except json.JSONDecodeError as exc:
-                raise SpecShimError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+                raise SpecShimError(
+                    f"{path}:{number}: not valid JSON ({exc.msg})"
+                ) from None
             if not isinstance(record, dict) or not any(k in record for k in KINDS):
                 raise SpecShimError(
-                    f"{path}:{number}: expected an object with one of {', '.join(KINDS)}"
+                    f"{path}:{number}: expected an object with one of "
+                    + ", ".join(KINDS)
                 )
             records.append((number, record))
     if not records:
@@ -158,7 +161,8 @@ def load_samples(
     if truncated:
         logger.warning(
             "%d of %d samples are longer than max_model_len - 1 = %d tokens and were "
-            "truncated to it (as speculators does); raise --max-model-len to keep them whole",
+            "truncated to it (as speculators does); raise --max-model-len to keep "
+            "them whole",
             truncated,
             len(samples),
             max_len,

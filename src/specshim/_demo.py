@@ -57,17 +57,32 @@ def run(cache: Path | None = None) -> int:
     data = cache / "demo-prompts.jsonl"
     data.write_text(
         "".join(
-            json.dumps({"messages": [{"role": "system", "content": SYSTEM},
-                                     {"role": "user", "content": p},
-                                     {"role": "assistant", "content": "Noted."}]}) + "\n"
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": p},
+                        {"role": "assistant", "content": "Noted."},
+                    ]
+                }
+            )
+            + "\n"
             for p in PROMPTS
         )
     )
     out = cache / "demo-output"
     shutil.rmtree(out, ignore_errors=True)  # the demo always runs the whole job
     started = time.perf_counter()
-    counts = extract(ExtractOptions(model=model, data=data, out=out, layers=LAYERS,
-                                    max_model_len=512, batch_size=len(PROMPTS)))
+    counts = extract(
+        ExtractOptions(
+            model=model,
+            data=data,
+            out=out,
+            layers=LAYERS,
+            max_model_len=512,
+            batch_size=len(PROMPTS),
+        )
+    )
     total = time.perf_counter() - started
     agreement = _agreement(str(model), out)
     _print_summary(specshim.report(), total, counts, agreement, out)
@@ -85,7 +100,9 @@ def _agreement(model: str, out: Path) -> dict[int, tuple[float, float]]:
         data = torch.load(path, weights_only=True)
         ids = data["input_ids"].tolist()
         expected = reference.states(ids, LAYERS)
-        for layer, got, want in zip(LAYERS, data["hidden_states"], expected, strict=True):
+        for layer, got, want in zip(
+            LAYERS, data["hidden_states"], expected, strict=True
+        ):
             if got.shape != want.shape:
                 per_layer[layer].append(torch.zeros(len(ids)))
             else:
@@ -97,8 +114,13 @@ def _agreement(model: str, out: Path) -> dict[int, tuple[float, float]]:
     return out_stats
 
 
-def _print_summary(report: dict[str, Any], total: float, counts: dict[str, Any],
-                   agreement: dict[int, tuple[float, float]], out: Path) -> None:
+def _print_summary(
+    report: dict[str, Any],
+    total: float,
+    counts: dict[str, Any],
+    agreement: dict[int, tuple[float, float]],
+    out: Path,
+) -> None:
     applied = [p["id"] for p in report["patches"] if p["state"] == "applied"]
     rate = counts["tokens"] / counts["seconds"] if counts["seconds"] else 0.0
     lines = [

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specshim._dataset import Sample, load_samples, parse_shard
+from specshim._dataset import Sample, load_samples
 from specshim._registry import SpecShimError, installed_version
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,9 @@ def parse_layers(text: str | None) -> list[int] | None:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise SpecShimError(f"--layers {text!r}: expected comma-separated integers") from None
+        raise SpecShimError(
+            f"--layers {text!r}: expected comma-separated integers"
+        ) from None
 
 
 def model_facts(model: Path) -> tuple[int, int]:
@@ -60,7 +62,9 @@ def model_facts(model: Path) -> tuple[int, int]:
         raise SpecShimError(f"--model {model}: no such directory (a local checkpoint)")
     config_file = model / "config.json"
     if not config_file.is_file():
-        raise SpecShimError(f"--model {model}: no config.json, not a checkpoint directory")
+        raise SpecShimError(
+            f"--model {model}: no config.json, not a checkpoint directory"
+        )
     config = json.loads(config_file.read_text())
     text = config.get("text_config") or {}
     try:
@@ -94,7 +98,9 @@ def choose_layers(requested: list[int] | None, num_layers: int) -> list[int]:
     return requested
 
 
-def _identity(options: ExtractOptions, layers: list[int], num_samples: int) -> dict[str, Any]:
+def _identity(
+    options: ExtractOptions, layers: list[int], num_samples: int
+) -> dict[str, Any]:
     return {
         "model": str(options.model.resolve()),
         "layers": layers,
@@ -110,7 +116,9 @@ def _write_config(out: Path, identity: dict[str, Any]) -> None:
         existing = json.loads(path.read_text())
         changed = [k for k in RUN_IDENTITY if existing.get(k) != identity[k]]
         if changed:
-            details = "; ".join(f"{k}: {existing.get(k)!r} there, {identity[k]!r} now" for k in changed)
+            details = "; ".join(
+                f"{k}: {existing.get(k)!r} there, {identity[k]!r} now" for k in changed
+            )
             raise SpecShimError(
                 f"{out} holds output of a different run ({details}). Use another "
                 "--out, or remove the directory to start over."
@@ -123,7 +131,10 @@ def _write_config(out: Path, identity: dict[str, Any]) -> None:
         format="speculators-0.3.0 hidden states (data_{i}.pt per sample)",
         files="data_{i}.pt holds sample i of the dataset",
         hidden_states="one tensor per layer, in the order of 'layers'",
-        versions={n: installed_version(n) for n in ("vllm", "speculators", "torch", "transformers")}
+        versions={
+            n: installed_version(n)
+            for n in ("vllm", "speculators", "torch", "transformers")
+        }
         | {"specshim": specshim.__version__},
     )
     _atomic_write(path, json.dumps(config, indent=2).encode())
@@ -144,7 +155,9 @@ def save_sample(out: Path, sample: Sample, result: dict[str, Any]) -> int:
     import torch
 
     if result["input_ids"].tolist() != sample.input_ids:
-        raise SpecShimError(f"sample {sample.index}: the generator returned other input ids")
+        raise SpecShimError(
+            f"sample {sample.index}: the generator returned other input ids"
+        )
     record = {
         "input_ids": result["input_ids"],
         "hidden_states": result["hidden_states"],
@@ -188,7 +201,10 @@ class _Progress:
             self.last_log = time.monotonic()
             logger.info(
                 "extract: %d/%d samples, %.0f tok/s, ETA %.0f s",
-                self.done, self.total, rate, eta,
+                self.done,
+                self.total,
+                rate,
+                eta,
             )
 
     def close(self) -> None:
@@ -205,7 +221,11 @@ def extract(options: ExtractOptions) -> dict[str, Any]:
     if options.batch_size < 1 or options.tp < 1:
         raise SpecShimError("--batch-size and --tp must be positive")
     samples, total = load_samples(
-        options.data, options.model, vocab_size, options.max_model_len - 1, options.shard
+        options.data,
+        options.model,
+        vocab_size,
+        options.max_model_len - 1,
+        options.shard,
     )
     options.out.mkdir(parents=True, exist_ok=True)
     _write_config(options.out, _identity(options, layers, total))
@@ -217,7 +237,9 @@ def extract(options: ExtractOptions) -> dict[str, Any]:
         return counts | {"written": 0, "tokens": 0, "seconds": 0.0}
     logger.info(
         "extract: %d samples to write (%d already there), layers %s",
-        len(pending), counts["skipped"], layers,
+        len(pending),
+        counts["skipped"],
+        layers,
     )
     generator = _make_generator(options, layers)
     bar = sys.stderr.isatty() if options.progress is None else options.progress
@@ -241,8 +263,9 @@ def extract(options: ExtractOptions) -> dict[str, Any]:
 
 
 def _make_generator(options: ExtractOptions, layers: list[int]) -> Any:
-    import specshim  # noqa: F401  (arms the patches before speculators loads)
     from speculators.data_generation import VllmHiddenStatesGenerator
+
+    import specshim  # noqa: F401  (arms the patches before speculators loads)
 
     return VllmHiddenStatesGenerator(
         str(options.model),
@@ -253,7 +276,9 @@ def _make_generator(options: ExtractOptions, layers: list[int]) -> Any:
     )
 
 
-def _generate(generator: Any, batch: list[Sample], written: int) -> list[dict[str, Any]]:
+def _generate(
+    generator: Any, batch: list[Sample], written: int
+) -> list[dict[str, Any]]:
     try:
         return generator.generate([s.input_ids for s in batch])
     except Exception as exc:

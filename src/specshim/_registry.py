@@ -241,7 +241,9 @@ def _apply_one(record: PatchRecord, module: Any) -> None:
         return
     except AttributeError as exc:
         record.state, record.detail = State.INCOMPATIBLE, str(exc)
-        _complain(record, f"{patch.attribute} in {patch.module}", f"no such name ({exc})")
+        _complain(
+            record, f"{patch.attribute} in {patch.module}", f"no such name ({exc})"
+        )
         return
     try:
         replacement = patch.build(None if original is _MISSING else original)

@@ -87,12 +87,14 @@ def format_report(data: dict[str, Any] | None = None) -> str:
     """A plain-text rendering of ``report()``."""
     data = data or report()
     lines = ["specshim report", ""]
-    lines += [f"  {name:<13} {ver or 'not installed'}" for name, ver in data["versions"].items()]
+    lines += [
+        f"  {name:<13} {ver or 'not installed'}"
+        for name, ver in data["versions"].items()
+    ]
     plugin = data["plugin"]
-    lines.append(
-        f"  plugin        entry point {'installed' if plugin['installed'] else 'MISSING'}"
-        f", {'allowed' if plugin['allowed'] else 'FILTERED OUT'} by VLLM_PLUGINS"
-    )
+    installed = "installed" if plugin["installed"] else "MISSING"
+    allowed = "allowed" if plugin["allowed"] else "FILTERED OUT"
+    lines.append(f"  plugin        entry point {installed}, {allowed} by VLLM_PLUGINS")
     lines.append("")
     width = max(len(p["id"]) for p in data["patches"])
     lines.append(f"  {'patch':<{width}}  {'runs in':<7}  {'state':<12}  detail")
@@ -101,7 +103,8 @@ def format_report(data: dict[str, Any] | None = None) -> str:
         if item["version_advice"] == "outside range" and item["state"] == "applied":
             detail += f" (note: meant for {item['meant_for']})"
         lines.append(
-            f"  {item['id']:<{width}}  {item['process']:<7}  {item['state']:<12}  {detail}"
+            f"  {item['id']:<{width}}  {item['process']:<7}  "
+            f"{item['state']:<12}  {detail}"
         )
     if data["advice"]:
         lines += ["", "What to do:"] + [f"  - {line}" for line in data["advice"]]

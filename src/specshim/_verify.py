@@ -21,7 +21,9 @@ def verify(model: Path, out: Path, samples: int, seed: int) -> int:
 
     config_file = out / CONFIG_NAME
     if not config_file.is_file():
-        raise SpecShimError(f"{out}: no {CONFIG_NAME}; is this an extract output directory?")
+        raise SpecShimError(
+            f"{out}: no {CONFIG_NAME}; is this an extract output directory?"
+        )
     layers = json.loads(config_file.read_text())["layers"]
     files = sorted(
         (int(m.group(1)), p) for p in out.iterdir() if (m := _NAME.match(p.name))
@@ -39,16 +41,23 @@ def verify(model: Path, out: Path, samples: int, seed: int) -> int:
         why = mismatch(data["hidden_states"], expected)
         if why:
             failures.append(f"data_{index}.pt: {why}")
-        for layer, got, want in zip(layers, data["hidden_states"], expected, strict=False):
+        for layer, got, want in zip(
+            layers, data["hidden_states"], expected, strict=False
+        ):
             if got.shape == want.shape:
                 per_layer[layer].append(per_token_cosine(got, want))
             else:
                 per_layer[layer].append(torch.zeros(len(ids)))
-    print(f"verify: {len(chosen)} of {len(files)} samples in {out} against HF ({model})")
+    print(
+        f"verify: {len(chosen)} of {len(files)} samples in {out} against HF ({model})"
+    )
     print("  layer   mean cosine   tokens >= 0.95")
     for layer, parts in per_layer.items():
         cos = torch.cat(parts)
-        print(f"  {layer:>5}   {cos.mean().item():>11.4f}   {(cos >= 0.95).float().mean().item():>14.1%}")
+        print(
+            f"  {layer:>5}   {cos.mean().item():>11.4f}   "
+            f"{(cos >= 0.95).float().mean().item():>14.1%}"
+        )
     for failure in failures:
         print(f"  MISMATCH {failure}")
     print("verify: " + ("FAILED" if failures else "ok"))

@@ -92,7 +92,9 @@ def _run(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise SpecShimError("specshim run needs a command: specshim run -- python script.py")
+        raise SpecShimError(
+            "specshim run needs a command: specshim run -- python script.py"
+        )
     bootstrap = str(Path(__file__).with_name("_bootstrap"))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -142,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     extract.add_argument("--out", required=True, help="output directory")
     extract.add_argument(
-        "--layers", help="comma-separated decoder layer ids (default: speculators' choice)"
+        "--layers",
+        help="comma-separated decoder layer ids (default: speculators' choice)",
     )
     extract.add_argument(
         "--max-model-len",
@@ -179,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
         "generator on vLLM's CPU backend, and check every layer against HF.",
         "specshim demo",
     )
-    demo.add_argument("--cache", help="where to keep the tiny model (~/.cache/specshim)")
+    demo.add_argument(
+        "--cache", help="where to keep the tiny model (~/.cache/specshim)"
+    )
     demo.set_defaults(func=_demo)
 
     run = _command(
@@ -187,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         "Run a program with specshim active in it and in its Python children, "
         "without editing it.",
-        "specshim run -- python scripts/data_generation_offline.py --target-model-path ...",
+        "specshim run -- python scripts/data_generation_offline.py "
+        "--target-model-path ...",
     )
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
     run.set_defaults(func=_run)
@@ -207,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Print the patch table (markdown) generated from the registry.",
         "specshim table --write README.md",
     )
-    table.add_argument("--write", metavar="README", help="update the table in this file")
+    table.add_argument(
+        "--write", metavar="README", help="update the table in this file"
+    )
     table.set_defaults(func=_table)
     return parser
 

@@ -63,15 +63,26 @@ def test_upstream_shapes_the_patches_rely_on():
     sched_cfg = inspect.signature(upstream(gen.SchedulerConfig)).parameters
     assert sched_cfg["is_encoder_decoder"].default is inspect.Parameter.empty
     assert sched_cfg["enable_chunked_prefill"].default is True
-    assert inspect.signature(upstream(gen.CacheConfig)).parameters[
-        "enable_prefix_caching"].default is True
-    assert "kv_cache_specs" not in inspect.signature(
-        upstream(gen.get_kv_cache_config_from_groups)).parameters
+    assert (
+        inspect.signature(upstream(gen.CacheConfig))
+        .parameters["enable_prefix_caching"]
+        .default
+        is True
+    )
+    assert (
+        "kv_cache_specs"
+        not in inspect.signature(
+            upstream(gen.get_kv_cache_config_from_groups)
+        ).parameters
+    )
     assert "block_size" in inspect.signature(upstream(gen.Scheduler)).parameters
     request = inspect.signature(upstream(gen.Request)).parameters
     assert "eos_token_id" in request and "block_hasher" in request
     assert hasattr(upstream(gen.MultiprocExecutor), "sample_tokens")
-    assert "llama_4_scaling" in inspect.signature(DeepseekV2DecoderLayer.forward).parameters
+    assert (
+        "llama_4_scaling"
+        in inspect.signature(DeepseekV2DecoderLayer.forward).parameters
+    )
     assert hasattr(LlamaModel, "embed_input_ids")
     assert not hasattr(LlamaModel, "get_input_embeddings")
 
@@ -90,7 +101,9 @@ def test_speculators_is_unmodified_on_disk():
         digest = hashlib.new(record.hash.mode, data).digest()
         import base64
 
-        assert base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == record.hash.value, record
+        assert (
+            base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == record.hash.value
+        ), record
 
 
 def test_doctor_lists_every_patch():
@@ -98,7 +111,10 @@ def test_doctor_lists_every_patch():
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "specshim", "doctor"], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "specshim", "doctor"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     for record in specshim.records():

@@ -15,7 +15,10 @@ __all__ = ["assert_batch_matches", "mismatch"]
 
 
 def assert_batch_matches(
-    results: list[dict[str, Any]], batch: list[list[int]], reference: Any, layers: list[int]
+    results: list[dict[str, Any]],
+    batch: list[list[int]],
+    reference: Any,
+    layers: list[int],
 ) -> None:
     assert len(results) == len(batch)
     failures = []

@@ -13,8 +13,9 @@ MAX_MODEL_LEN = 1024
 
 
 def make_generator(path: str, tp: int, layer_ids: list[int] | None = None) -> Any:
-    import specshim  # noqa: F401  (arms the patches before speculators loads)
     from speculators.data_generation import VllmHiddenStatesGenerator
+
+    import specshim  # noqa: F401  (arms the patches before speculators loads)
 
     if tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))

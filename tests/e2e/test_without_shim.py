@@ -23,8 +23,13 @@ def test_unpatched_speculators_fails_loudly_on_vllm_016(tiny_model_dir):
         f"G({str(tiny_model_dir('llama'))!r}, layer_ids=[1], max_model_len=256)\n"
     )
     env = dict(os.environ, SPECSHIM_DISABLE="all", VLLM_PLUGINS="")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode != 0
     # Row 1 of the drift table is the first thing that breaks.
     assert "ValidationError" in out.stderr and "is_encoder_decoder" in out.stderr
@@ -47,10 +52,14 @@ def shim_without(monkeypatch):
 
 def _over_budget_batch() -> list[list[int]]:
     rng = random.Random(11)
-    return [[rng.randrange(300) for _ in range(rng.randint(700, 1000))] for _ in range(12)]
+    return [
+        [rng.randrange(300) for _ in range(rng.randint(700, 1000))] for _ in range(12)
+    ]
 
 
-def test_chunked_prefill_without_guards_corrupts_silently(shim_without, tiny_model_dir, hf_reference):
+def test_chunked_prefill_without_guards_corrupts_silently(
+    shim_without, tiny_model_dir, hf_reference
+):
     shim_without("chunked-prefill-off,generate-guard")
     path = tiny_model_dir("llama")
     generator = make_generator(str(path), 1)
@@ -60,8 +69,11 @@ def test_chunked_prefill_without_guards_corrupts_silently(shim_without, tiny_mod
     finally:
         close_generator(generator)
     reference = hf_reference(path)
-    bad = [i for i, ids in enumerate(batch)
-           if mismatch(results[i]["hidden_states"], reference.states(ids, LAYERS))]
+    bad = [
+        i
+        for i, ids in enumerate(batch)
+        if mismatch(results[i]["hidden_states"], reference.states(ids, LAYERS))
+    ]
     assert bad, "expected misaligned rows with chunked prefill on"
 
 

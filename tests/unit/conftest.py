@@ -12,7 +12,11 @@ from specshim import _registry
 def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """An empty registry for throwaway patches; the real one comes back after."""
     _registry._load_patch_modules()
-    saved = (dict(_registry._patches), dict(_registry._records), set(_registry._hooked_modules))
+    saved = (
+        dict(_registry._patches),
+        dict(_registry._records),
+        set(_registry._hooked_modules),
+    )
     _registry.revert()
     _registry._patches.clear()
     _registry._records.clear()

@@ -29,15 +29,26 @@ def _applied(module, original):
 
 
 class SchedulerConfig016:
-    def __init__(self, max_model_len, is_encoder_decoder, max_num_seqs=128,
-                 max_num_batched_tokens=2048, enable_chunked_prefill=True,
-                 async_scheduling=None):
+    def __init__(
+        self,
+        max_model_len,
+        is_encoder_decoder,
+        max_num_seqs=128,
+        max_num_batched_tokens=2048,
+        enable_chunked_prefill=True,
+        async_scheduling=None,
+    ):
         self.__dict__.update(locals())
 
 
 class SchedulerConfig011:
-    def __init__(self, max_num_seqs=128, max_model_len=None,
-                 max_num_batched_tokens=None, enable_chunked_prefill=False):
+    def __init__(
+        self,
+        max_num_seqs=128,
+        max_model_len=None,
+        max_num_batched_tokens=None,
+        enable_chunked_prefill=False,
+    ):
         self.__dict__.update(locals())
 
 
@@ -54,7 +65,9 @@ def test_scheduler_config_initvars_not_needed_on_011():
 
 def test_chunked_prefill_forced_off():
     make = _applied(chunked_prefill_off, SchedulerConfig016)
-    assert make(max_model_len=1, is_encoder_decoder=False).enable_chunked_prefill is False
+    assert (
+        make(max_model_len=1, is_encoder_decoder=False).enable_chunked_prefill is False
+    )
     with pytest.raises(NotNeeded):
         chunked_prefill_off.PATCH.probe(SchedulerConfig011)
     with pytest.raises(Incompatible):
@@ -69,7 +82,9 @@ def test_stacked_scheduler_config_wrappers_see_the_upstream_signature():
 
 
 class CacheConfig:
-    def __init__(self, block_size=16, gpu_memory_utilization=0.9, enable_prefix_caching=True):
+    def __init__(
+        self, block_size=16, gpu_memory_utilization=0.9, enable_prefix_caching=True
+    ):
         self.__dict__.update(locals())
 
 
@@ -90,7 +105,9 @@ def test_kv_cache_config_drops_removed_argument():
         return (vllm_config, kv_cache_groups, available_memory)
 
     call = _applied(kv_cache_config_args, new)
-    assert call(vllm_config=1, kv_cache_groups=2, kv_cache_specs=3, available_memory=4) == (1, 2, 4)
+    assert call(
+        vllm_config=1, kv_cache_groups=2, kv_cache_specs=3, available_memory=4
+    ) == (1, 2, 4)
 
     def old(vllm_config, kv_cache_groups, kv_cache_specs, available_memory):
         pass
@@ -103,47 +120,88 @@ def test_kv_cache_config_drops_removed_argument():
 
 def _vllm_config(block=16, dcp=1, pcp=1, caching=False):
     return SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=block, enable_prefix_caching=caching,
-                                     prefix_caching_hash_algo="sha256"),
-        parallel_config=SimpleNamespace(decode_context_parallel_size=dcp,
-                                        prefill_context_parallel_size=pcp),
+        cache_config=SimpleNamespace(
+            block_size=block,
+            enable_prefix_caching=caching,
+            prefix_caching_hash_algo="sha256",
+        ),
+        parallel_config=SimpleNamespace(
+            decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp
+        ),
     )
 
 
 def test_scheduler_gets_engine_core_block_size():
     class Scheduler:
-        def __init__(self, vllm_config, kv_cache_config, structured_output_manager,
-                     block_size, mm_registry=None):
+        def __init__(
+            self,
+            vllm_config,
+            kv_cache_config,
+            structured_output_manager,
+            block_size,
+            mm_registry=None,
+        ):
             self.block_size = block_size
 
     make = _applied(scheduler_block_size, Scheduler)
-    sched = make(vllm_config=_vllm_config(16, dcp=2), kv_cache_config=None,
-                 structured_output_manager=None)
+    sched = make(
+        vllm_config=_vllm_config(16, dcp=2),
+        kv_cache_config=None,
+        structured_output_manager=None,
+    )
     assert sched.block_size == 32
 
 
 class RequestNightly:
     """The 0.16 nightly shape: no eos_token_id."""
 
-    def __init__(self, request_id, prompt_token_ids, sampling_params, pooling_params,
-                 arrival_time=None, block_hasher=None):
+    def __init__(
+        self,
+        request_id,
+        prompt_token_ids,
+        sampling_params,
+        pooling_params,
+        arrival_time=None,
+        block_hasher=None,
+    ):
         self.__dict__.update(locals())
 
 
 class Request016:
-    def __init__(self, request_id, prompt_token_ids, sampling_params, pooling_params,
-                 eos_token_id, arrival_time=None, block_hasher=None):
+    def __init__(
+        self,
+        request_id,
+        prompt_token_ids,
+        sampling_params,
+        pooling_params,
+        eos_token_id,
+        arrival_time=None,
+        block_hasher=None,
+    ):
         self.__dict__.update(locals())
 
 
 class Request011:
-    def __init__(self, request_id, prompt_token_ids, sampling_params, pooling_params,
-                 eos_token_id, arrival_time=None):
+    def __init__(
+        self,
+        request_id,
+        prompt_token_ids,
+        sampling_params,
+        pooling_params,
+        eos_token_id,
+        arrival_time=None,
+    ):
         pass
 
 
-SPECULATORS_REQUEST_KWARGS = dict(request_id="req_0_0", prompt_token_ids=[1], sampling_params=None,
-                                  pooling_params=None, eos_token_id=2, arrival_time=0.0)
+SPECULATORS_REQUEST_KWARGS = dict(
+    request_id="req_0_0",
+    prompt_token_ids=[1],
+    sampling_params=None,
+    pooling_params=None,
+    eos_token_id=2,
+    arrival_time=0.0,
+)
 
 
 def test_request_without_eos_token_id_nightly():
@@ -183,10 +241,19 @@ class FakeExecutor:
         self.calls.append(("sample_tokens", grammar_output))
         return "sampled"
 
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None,
-                       non_block=False, unique_reply_rank=None):
+    def collective_rpc(
+        self,
+        method,
+        timeout=None,
+        args=(),
+        kwargs=None,
+        non_block=False,
+        unique_reply_rank=None,
+    ):
         """Returns single result if unique_reply_rank is provided, otherwise list."""
-        return ["tensor0", "tensor1"] if unique_reply_rank is not None else [["a"], ["b"]]
+        return (
+            ["tensor0", "tensor1"] if unique_reply_rank is not None else [["a"], ["b"]]
+        )
 
     def engine_step(self):
         return self.execute_model("internal")
@@ -206,14 +273,18 @@ def test_unique_reply_comes_back_as_a_list():
     make = _applied(rpc_unique_reply, _applied(execute_then_sample, FakeExecutor))
     executor = make(vllm_config=None)
     assert executor.collective_rpc("_get_captured_states", unique_reply_rank=0)[0] == [
-        "tensor0", "tensor1"]
+        "tensor0",
+        "tensor1",
+    ]
     assert executor.collective_rpc("get_kv_cache_spec") == [["a"], ["b"]]
     assert executor.execute_model("so") == "sampled"
 
 
 def test_unique_reply_not_needed_when_list_returned():
     class Old(FakeExecutor):
-        def collective_rpc(self, method, timeout=None, args=(), kwargs=None, unique_reply_rank=None):
+        def collective_rpc(
+            self, method, timeout=None, args=(), kwargs=None, unique_reply_rank=None
+        ):
             """Returns list of results."""
 
     with pytest.raises(NotNeeded):
@@ -252,7 +323,9 @@ def test_generate_input_tensor_and_long_sequences_warn(caplog):
 def _results(lengths, rows):
     out, offset = [], 0
     for n in lengths:
-        out.append({"input_ids": torch.zeros(n), "hidden_states": [rows[offset:offset + n]]})
+        out.append(
+            {"input_ids": torch.zeros(n), "hidden_states": [rows[offset : offset + n]]}
+        )
         offset += n
     return out
 

@@ -43,7 +43,7 @@ class Stack(nn.Module):
     def forward(self, input_ids, positions):
         hidden, residual = self.embed(input_ids), None
         scale = (1 + 0.1 * positions.float()).unsqueeze(-1) if self.scaling else None
-        for layer in self.layers[self.start_layer:self.end_layer]:
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden, residual = layer(positions, hidden, residual, scale)
         return self.norm(hidden + residual)
 
@@ -105,7 +105,9 @@ def worker_module(monkeypatch):
 
 @pytest.mark.parametrize("wrapper", [KimiWrapper, CausalLM])
 @pytest.mark.parametrize("scaling", [True, False])
-def test_hooks_capture_what_the_models_own_forward_computes(worker_module, wrapper, scaling):
+def test_hooks_capture_what_the_models_own_forward_computes(
+    worker_module, wrapper, scaling
+):
     stack = Stack(scaling=scaling)
     ext = Extension(wrapper(stack))
     capture_hooks.setup_hidden_states_capture(ext, [3, 1])
@@ -116,11 +118,15 @@ def test_hooks_capture_what_the_models_own_forward_computes(worker_module, wrapp
         stack(ids[:2], positions[:2])
         assert len(ext.stored) == 2  # one store per forward
         for layer_slot, index in enumerate([1, 3]):  # ascending, as speculators
-            assert torch.equal(ext.stored[0][layer_slot], stack.expected(ids, positions, index))
+            assert torch.equal(
+                ext.stored[0][layer_slot], stack.expected(ids, positions, index)
+            )
         dropped = Stack(scaling=False)
         dropped.load_state_dict(stack.state_dict())
         if scaling:  # the check can fail: dropping the scaling changes the states
-            assert not torch.allclose(ext.stored[0][1], dropped.expected(ids, positions, 3))
+            assert not torch.allclose(
+                ext.stored[0][1], dropped.expected(ids, positions, 3)
+            )
 
 
 def test_setup_twice_does_not_double_capture(worker_module):
@@ -148,8 +154,11 @@ def test_layout_is_recorded_per_step_in_batch_order(worker_module):
     ext = Extension(CausalLM(stack))
     ext.model_runner.model_forward = lambda ids: None
     capture_hooks.setup_hidden_states_capture(ext, [1])
-    step = SimpleNamespace(order=["req_0_1", "req_0_0"], input_ids=None,
-                           num_scheduled_tokens={"req_0_0": 3, "req_0_1": 2})
+    step = SimpleNamespace(
+        order=["req_0_1", "req_0_0"],
+        input_ids=None,
+        num_scheduled_tokens={"req_0_0": 3, "req_0_1": 2},
+    )
     ext.model_runner.execute_model(step)
     assert captured_layout_rpc.captured_layout(ext) == [("req_0_1", 2), ("req_0_0", 3)]
     assert captured_layout_rpc.captured_layout(ext) == []  # fetched once

@@ -30,7 +30,7 @@ def _patch(module: str, **overrides) -> Patch:
         package="vllm",
         versions=">=0.12",
         probe=lambda original: None,
-        build=lambda original: (lambda name: original(name).upper()),
+        build=lambda original: lambda name: original(name).upper(),
         why="w",
         upstream="u",
         remove_when="r",
@@ -75,7 +75,9 @@ def test_apply_twice_is_a_no_op_and_revert_restores(isolated_registry, fake_modu
 
 def test_added_attribute_is_removed_on_revert(isolated_registry, fake_module):
     module = importlib.import_module(fake_module(SOURCE))
-    _patch(module.__name__, attribute="Thing.extra", build=lambda original: lambda self: 2)
+    _patch(
+        module.__name__, attribute="Thing.extra", build=lambda original: lambda self: 2
+    )
     _registry.apply()
     assert module.Thing().extra() == 2
     assert _registry._records["shout"].detail == "added"
@@ -135,12 +137,21 @@ def test_incompatible_raises_with_diagnosis(isolated_registry, fake_module):
     with pytest.raises(SpecShimError) as info:
         importlib.import_module(name)
     message = str(info.value)
-    for needle in ("'shout'", f"{name}:greet", "greet(name, *, loud)", "found:", "vllm ", "SPECSHIM_DISABLE=shout"):
+    for needle in (
+        "'shout'",
+        f"{name}:greet",
+        "greet(name, *, loud)",
+        "found:",
+        "vllm ",
+        "SPECSHIM_DISABLE=shout",
+    ):
         assert needle in message
     assert _state("shout") is State.INCOMPATIBLE
 
 
-def test_optional_incompatible_warns_unless_strict(isolated_registry, fake_module, monkeypatch):
+def test_optional_incompatible_warns_unless_strict(
+    isolated_registry, fake_module, monkeypatch
+):
     def probe(original):
         raise Incompatible("a", "b")
 
@@ -179,7 +190,7 @@ def test_wrappers_on_one_target_stack_and_unwind(isolated_registry, fake_module)
     module = importlib.import_module(fake_module(SOURCE))
     original = module.greet
     _patch(module.__name__)
-    _patch(module.__name__, id="exclaim", build=lambda o: (lambda name: o(name) + "!"))
+    _patch(module.__name__, id="exclaim", build=lambda o: lambda name: o(name) + "!")
     _registry.apply()
     assert module.greet("x") == "HELLO X!"
     _registry.revert()
@@ -211,12 +222,19 @@ def test_duplicate_ids_fail(isolated_registry, fake_module):
         ("nightly-build", "unknown"),
     ],
 )
-def test_version_advice_handles_local_pre_and_unparseable(monkeypatch, installed, advice):
+def test_version_advice_handles_local_pre_and_unparseable(
+    monkeypatch, installed, advice
+):
     monkeypatch.setattr(_registry, "installed_version", lambda package: installed)
-    patch = Patch("x", "main", "m", "a", "vllm", ">=0.12", lambda o: None, lambda o: o, "", "", "")
+    patch = Patch(
+        "x", "main", "m", "a", "vllm", ">=0.12", lambda o: None, lambda o: o, "", "", ""
+    )
     assert _registry.version_advice(patch) == advice
 
 
 def test_import_specshim_pulls_in_neither_torch_nor_vllm():
-    code = "import specshim, sys; assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
+    code = (
+        "import specshim, sys; "
+        "assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,1 +1,1 @@
-"""Tiny random-weight checkpoints and a Hugging Face reference, for tests and the demo."""
+"""Tiny random-weight checkpoints and a Hugging Face reference (tests, demo)."""

@@ -32,6 +32,7 @@ class HFReference:
         captured: dict[int, Any] = {}
         handles = []
         for index in layer_ids:
+
             def hook(module: Any, args: Any, output: Any, index: int = index) -> None:
                 out = output[0] if isinstance(output, tuple) else output
                 captured[index] = out[0].detach().float()

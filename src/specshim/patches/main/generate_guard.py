@@ -92,7 +92,9 @@ def realign(
     """
     import torch
 
-    expected = {f"req_{counter}_{i}": len(r["input_ids"]) for i, r in enumerate(results)}
+    expected = {
+        f"req_{counter}_{i}": len(r["input_ids"]) for i, r in enumerate(results)
+    }
     mine = [(rid, n) for rid, n in layout if rid in expected]
     seen: dict[str, int] = {}
     for rid, n in mine:
@@ -119,7 +121,9 @@ def realign(
         return results
     logger.warning("specshim: captured rows were out of input order; re-sliced them")
     num_layers = len(results[0]["hidden_states"])
-    stacked = [torch.cat([r["hidden_states"][k] for r in results]) for k in range(num_layers)]
+    stacked = [
+        torch.cat([r["hidden_states"][k] for r in results]) for k in range(num_layers)
+    ]
     start: dict[str, int] = {}
     offset = 0
     for rid, n in mine:
@@ -137,9 +141,7 @@ def _abort_leftovers(generator: Any) -> int:
     from vllm.v1.request import RequestStatus
 
     scheduler = generator.scheduler
-    leftover = [
-        rid for rid in list(scheduler.requests) if _REQUEST_ID.match(str(rid))
-    ]
+    leftover = [rid for rid in list(scheduler.requests) if _REQUEST_ID.match(str(rid))]
     if leftover:
         scheduler.finish_requests(leftover, RequestStatus.FINISHED_ABORTED)
     return len(leftover)
@@ -151,9 +153,13 @@ def _build(original: Any) -> Any:
     @functools.wraps(original)
     def generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
         model_config = self.vllm_config.model_config
-        check_inputs(token_ids, model_config.get_vocab_size(), model_config.max_model_len)
+        check_inputs(
+            token_ids, model_config.get_vocab_size(), model_config.max_model_len
+        )
         if not hasattr(self, "_specshim_block_hasher"):
-            self._specshim_block_hasher = request_args.block_hasher_for(self.vllm_config)
+            self._specshim_block_hasher = request_args.block_hasher_for(
+                self.vllm_config
+            )
         request_args.set_block_hasher(self._specshim_block_hasher)
         counter = self._request_counter
         try:

@@ -81,7 +81,9 @@ def _record_layout(extension: Any, runner: Any) -> None:
         return
     execute_model = runner.execute_model
 
-    def recording_execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+    def recording_execute_model(
+        scheduler_output: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         output = execute_model(scheduler_output, *args, **kwargs)
         counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         batch = getattr(runner, "input_batch", None)
@@ -131,7 +133,9 @@ def setup_hidden_states_capture(self: Any, layer_ids: list[int]) -> None:
         capture = _Capture(self, chosen)
         for index in chosen:
             layer = stack.layers[index]
-            self._specshim_hooks.append(layer.register_forward_hook(capture.hook(index)))
+            self._specshim_hooks.append(
+                layer.register_forward_hook(capture.hook(index))
+            )
     _record_layout(self, self.model_runner)
     logger.info(
         "Hidden states capture setup complete for layers %s (specshim hooks on %s)",
