@@ -238,3 +238,36 @@ def test_import_specshim_pulls_in_neither_torch_nor_vllm():
         "assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _import_and_greet(name, queue):
+    module = importlib.import_module(name)
+    queue.put(module.greet("x"))
+
+
+def test_patches_reach_forked_children(isolated_registry, fake_module):
+    """vLLM may fork its workers (GPU); hooks armed before the fork still fire."""
+    import multiprocessing
+
+    name = fake_module(SOURCE)
+    _patch(name)
+    _registry.apply()
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_import_and_greet, args=(name, queue))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0 and queue.get(timeout=5) == "HELLO X"
+
+
+def test_plugin_entry_point_arms_a_fresh_process():
+    """What vLLM runs in each spawned worker before it loads the extension."""
+    code = (
+        "from importlib.metadata import entry_points\n"
+        "(ep,) = [e for e in entry_points(group='vllm.general_plugins')"
+        " if e.name == 'specshim']\n"
+        "ep.load()()\n"
+        "from specshim import _registry\n"
+        "assert _registry._active and _registry._hooked_modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
