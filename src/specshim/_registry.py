@@ -12,7 +12,6 @@ range is advice that only shows up in the report.
 from __future__ import annotations
 
 import enum
-import importlib.metadata
 import logging
 import os
 import sys
@@ -307,6 +306,8 @@ def _complain(record: PatchRecord, expected: str, found: str) -> None:
 
 
 def installed_version(package: str) -> str | None:
+    import importlib.metadata  # lazily: it costs ~50 ms at import time
+
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 from typing import Any
 
@@ -20,6 +19,8 @@ PACKAGES = ("vllm", "speculators", "torch", "transformers")
 
 def plugin_status() -> dict[str, Any]:
     """Whether vLLM workers will load specshim's entry point."""
+    import importlib.metadata
+
     points = importlib.metadata.entry_points(group="vllm.general_plugins")
     installed = any(point.name == PLUGIN_NAME for point in points)
     allowed_raw = os.environ.get("VLLM_PLUGINS")
