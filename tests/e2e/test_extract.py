@@ -151,6 +151,13 @@ def test_output_loads_with_speculators_training_dataset(
     )
     assert again.returncode == 0 and "wrote 0 samples (9 already there)" in again.stdout
 
+    # verify catches rows that are off by one.
+    shifted = torch.load(out / "data_3.pt", weights_only=True)
+    shifted["hidden_states"] = [h.roll(1, dims=0) for h in shifted["hidden_states"]]
+    torch.save(shifted, out / "data_3.pt")
+    bad = subprocess.run(verify, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 1 and "MISMATCH data_3.pt" in bad.stdout, bad.stdout
+
 
 def test_kill_9_mid_run_then_resume_writes_each_sample_once(
     tmp_path, tiny_model_dir, hf_reference
