@@ -146,6 +146,23 @@ def test_output_loads_with_speculators_training_dataset(
     chat = torch.load(out / "data_2.pt", weights_only=True)
     assert 0 < chat["loss_mask"].sum().item() < len(chat["input_ids"])  # assistant only
 
+    verify = [
+        sys.executable,
+        "-m",
+        "specshim",
+        "verify",
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--samples",
+        "9",
+    ]
+    good = subprocess.run(verify, capture_output=True, text=True, timeout=600)
+    assert good.returncode == 0 and "verify: ok" in good.stdout, (
+        good.stdout + good.stderr
+    )
+
     again = subprocess.run(
         _command(model, data, out), capture_output=True, text=True, timeout=600
     )
