@@ -15,7 +15,8 @@ setup: $(STAMP)
 # Re-runs only when the pinned stack or the package metadata changes.
 $(STAMP): pyproject.toml requirements/cpu-stack.txt requirements/overrides.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	test -x $(UV) || { $(PY) -m ensurepip -q 2>/dev/null; $(PY) -m pip install -q uv; }
+	test -x $(UV) || { $(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip; \
+		$(PY) -m pip install -q uv; }
 	$(UV) pip install --python $(PY) --index-strategy unsafe-best-match \
 		-r requirements/cpu-stack.txt --override requirements/overrides.txt -e .
 	$(PY) -c "import specshim, sys; assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
