@@ -24,7 +24,6 @@ KINDS = ("input_ids", "text", "messages", "conversations")
 @dataclass
 class Sample:
     index: int  # position in the dataset: sample i is written to data_{i}.pt
-    line: int  # 1-based line number in the file, for messages
     input_ids: list[int]
     loss_mask: list[int]
 
@@ -157,7 +156,7 @@ def load_samples(
         if len(ids) > max_len:
             truncated += 1
             ids, mask = ids[:max_len], mask[:max_len]
-        samples.append(Sample(position, number, ids, mask))
+        samples.append(Sample(position, ids, mask))
     if truncated:
         logger.warning(
             "%d of %d samples are longer than max_model_len - 1 = %d tokens and were "

@@ -24,7 +24,6 @@ PROMPTS = [
 ]
 SYSTEM = "You are a concise assistant. Answer in plain words. " * 3  # shared prefix
 LAYERS = [1, 3, 5]
-MEAN_COSINE = 0.98
 
 
 def default_cache() -> Path:
@@ -49,6 +48,7 @@ def run(cache: Path | None = None) -> int:
 
     import specshim
     from specshim._extract import ExtractOptions, extract
+    from specshim._verify import agreement, written_files
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -84,43 +84,21 @@ def run(cache: Path | None = None) -> int:
         )
     )
     total = time.perf_counter() - started
-    agreement = _agreement(str(model), out)
-    _print_summary(specshim.report(), total, counts, agreement, out)
-    return 0 if all(mean >= MEAN_COSINE for mean, _ in agreement.values()) else 1
-
-
-def _agreement(model: str, out: Path) -> dict[int, tuple[float, float]]:
-    import torch
-
-    from specshim.testing.reference import HFReference, per_token_cosine
-
-    reference = HFReference(model)
-    per_layer: dict[int, list[Any]] = {layer: [] for layer in LAYERS}
-    for path in sorted(out.glob("data_*.pt")):
-        data = torch.load(path, weights_only=True)
-        ids = data["input_ids"].tolist()
-        expected = reference.states(ids, LAYERS)
-        for layer, got, want in zip(
-            LAYERS, data["hidden_states"], expected, strict=True
-        ):
-            if got.shape != want.shape:
-                per_layer[layer].append(torch.zeros(len(ids)))
-            else:
-                per_layer[layer].append(per_token_cosine(got, want))
-    out_stats = {}
-    for layer, parts in per_layer.items():
-        cos = torch.cat(parts)
-        out_stats[layer] = (cos.mean().item(), (cos >= 0.95).float().mean().item())
-    return out_stats
+    stats, failures = agreement(model, written_files(out), LAYERS)
+    _print_summary(specshim.report(), total, counts, stats, failures, out)
+    return 1 if failures else 0
 
 
 def _print_summary(
     report: dict[str, Any],
     total: float,
     counts: dict[str, Any],
-    agreement: dict[int, tuple[float, float]],
+    stats: dict[int, tuple[float, float]],
+    failures: list[str],
     out: Path,
 ) -> None:
+    from specshim.testing.reference import MEAN_COSINE
+
     applied = [p["id"] for p in report["patches"] if p["state"] == "applied"]
     rate = counts["tokens"] / counts["seconds"] if counts["seconds"] else 0.0
     lines = [
@@ -135,7 +113,9 @@ def _print_summary(
         "",
         "  layer   mean cosine vs HF   tokens >= 0.95   verdict",
     ]
-    for layer, (mean, share) in agreement.items():
+    for layer, (mean, share) in stats.items():
         verdict = "ok" if mean >= MEAN_COSINE else "MISMATCH"
         lines.append(f"  {layer:>5}   {mean:>17.4f}   {share:>14.1%}   {verdict}")
+    lines += [f"  MISMATCH {failure}" for failure in failures]
+    lines.append("  every sample agrees with HF" if not failures else "  demo FAILED")
     print("\n".join(lines), file=sys.stdout, flush=True)

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,6 @@ class ExtractOptions:
     gpu_memory_utilization: float = 0.8
     shard: tuple[int, int] = (0, 1)
     progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_layers(text: str | None) -> list[int] | None:
@@ -253,8 +252,9 @@ def extract(options: ExtractOptions) -> dict[str, Any]:
             for sample, result in zip(batch, results, strict=True):
                 save_sample(options.out, sample, result)
             written += len(batch)
-            tokens += sum(len(s.input_ids) for s in batch)
-            progress.update(len(batch), sum(len(s.input_ids) for s in batch))
+            batch_tokens = sum(len(s.input_ids) for s in batch)
+            tokens += batch_tokens
+            progress.update(len(batch), batch_tokens)
         seconds = time.monotonic() - started
     finally:
         progress.close()

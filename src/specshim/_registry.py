@@ -207,9 +207,7 @@ def _on_import(module: Any) -> None:
             return
         applied = []
         for record in _records.values():
-            if record.patch.module == module.__name__ and record.state in (
-                State.PENDING,
-            ):
+            if record.patch.module == module.__name__ and record.state is State.PENDING:
                 _apply_one(record, module)
                 if record.state is State.APPLIED:
                     applied.append(record.patch.id)
@@ -246,7 +244,7 @@ def _apply_one(record: PatchRecord, module: Any) -> None:
         return
     try:
         replacement = patch.build(None if original is _MISSING else original)
-        _set(owner, name, replacement)
+        setattr(owner, name, replacement)
     except Exception as exc:
         record.state, record.detail = State.FAILED, f"{type(exc).__name__}: {exc}"
         _complain(record, "the replacement to build and install", record.detail)
@@ -266,25 +264,12 @@ def _resolve_owner(module: Any, attribute: str) -> tuple[Any, str]:
     return owner, name
 
 
-def _set(owner: Any, name: str, value: Any) -> None:
-    if isinstance(owner, type):
-        # Keep staticmethod/classmethod wrappers out of it: we only patch
-        # plain functions and classes, and setattr on a class binds normally.
-        type.__setattr__(owner, name, value)
-    else:
-        setattr(owner, name, value)
-
-
 def _restore(record: PatchRecord) -> None:
-    owner, name = _resolve_owner_for_restore(record)
+    name = record.patch.attribute.rsplit(".", 1)[-1]
     if record.had_attribute:
-        _set(owner, name, record.original)
+        setattr(record.owner, name, record.original)
     else:
-        delattr(owner, name)
-
-
-def _resolve_owner_for_restore(record: PatchRecord) -> tuple[Any, str]:
-    return record.owner, record.patch.attribute.rsplit(".", 1)[-1]
+        delattr(record.owner, name)
 
 
 def _complain(record: PatchRecord, expected: str, found: str) -> None:

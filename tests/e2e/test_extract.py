@@ -93,6 +93,22 @@ def _files(out: Path) -> dict[int, Path]:
     return {int(p.stem.split("_")[1]): p for p in out.glob("data_*.pt")}
 
 
+def _run_ok(cmd: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def _stamps(out: Path) -> dict[int, tuple[int, int]]:
+    return {i: (p.stat().st_ino, p.stat().st_mtime_ns) for i, p in _files(out).items()}
+
+
+def _assert_visible_files_whole(out: Path) -> None:
+    """After a crash, every file under its final name loads completely."""
+    for path in _files(out).values():
+        torch.load(path, weights_only=True)
+
+
 def _assert_complete(
     out: Path, data: Path, hf_reference, model: Path, check: int = 6
 ) -> None:
@@ -125,10 +141,7 @@ def test_output_loads_with_speculators_training_dataset(
     model = tiny_model_dir("llama")
     data = _dataset(tmp_path / "d.jsonl", 9, 5, 60)
     out = tmp_path / "out"
-    run = subprocess.run(
-        _command(model, data, out), capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    _run_ok(_command(model, data, out), timeout=600)
     _assert_complete(out, data, hf_reference, model, check=9)
     config = json.loads((out / "data_config.json").read_text())
     assert config["layers"] == LAYERS and config["num_samples"] == 9
@@ -158,15 +171,11 @@ def test_output_loads_with_speculators_training_dataset(
         "--samples",
         "9",
     ]
-    good = subprocess.run(verify, capture_output=True, text=True, timeout=600)
-    assert good.returncode == 0 and "verify: ok" in good.stdout, (
-        good.stdout + good.stderr
-    )
+    good = _run_ok(verify, timeout=600)
+    assert "verify: ok" in good.stdout, good.stdout
 
-    again = subprocess.run(
-        _command(model, data, out), capture_output=True, text=True, timeout=600
-    )
-    assert again.returncode == 0 and "wrote 0 samples (9 already there)" in again.stdout
+    again = _run_ok(_command(model, data, out), timeout=600)
+    assert "wrote 0 samples (9 already there)" in again.stdout
 
     # verify catches rows that are off by one.
     shifted = torch.load(out / "data_3.pt", weights_only=True)
@@ -186,17 +195,13 @@ def test_kill_9_mid_run_then_resume_writes_each_sample_once(
     _wait_for_files(out, process, 6)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=60)
-    first = {i: (p.stat().st_ino, p.stat().st_mtime_ns) for i, p in _files(out).items()}
+    first = _stamps(out)
     assert 6 <= len(first) < 120, "the kill did not land mid-run"
-    for path in _files(out).values():  # every visible file is whole
-        torch.load(path, weights_only=True)
+    _assert_visible_files_whole(out)
 
-    rerun = subprocess.run(
-        _command(model, data, out), capture_output=True, text=True, timeout=900
-    )
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    rerun = _run_ok(_command(model, data, out))
     assert f"({len(first)} already there)" in rerun.stdout
-    after = {i: (p.stat().st_ino, p.stat().st_mtime_ns) for i, p in _files(out).items()}
+    after = _stamps(out)
     assert all(after[i] == first[i] for i in first), "a finished sample was rewritten"
     assert not list(out.glob(".data_*"))
     _assert_complete(out, data, hf_reference, model)
@@ -210,8 +215,7 @@ def test_shards_equal_one_unsharded_run(tmp_path, tiny_model_dir):
         _command(model, data, sharded, "--shard", f"{i}/2") for i in range(2)
     ]
     for cmd in runs:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
+        _run_ok(cmd, timeout=600)
     assert sorted(_files(whole)) == sorted(_files(sharded)) == list(range(11))
     for index, path in _files(whole).items():
         a = torch.load(path, weights_only=True)
@@ -247,13 +251,8 @@ def test_dead_worker_ends_the_run_clearly_and_resume_completes(
     assert process.returncode not in (0, None)
     assert "worker process died" in output
     assert "rerun the same command to resume" in output
-    for path in _files(out).values():
-        torch.load(path, weights_only=True)
-    done = len(_files(out))
-    assert done < 120
+    _assert_visible_files_whole(out)
+    assert len(_files(out)) < 120
 
-    rerun = subprocess.run(
-        _command(model, data, out), capture_output=True, text=True, timeout=900
-    )
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    _run_ok(_command(model, data, out))
     _assert_complete(out, data, hf_reference, model)

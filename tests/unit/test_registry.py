@@ -98,25 +98,16 @@ def test_not_needed_leaves_target_alone(isolated_registry, fake_module):
     assert _state("shout") is State.NOT_NEEDED
 
 
-def test_disabled_by_environment(isolated_registry, fake_module, monkeypatch):
-    monkeypatch.setenv("SPECSHIM_DISABLE", "shout, other")
+@pytest.mark.parametrize("disabled", ["shout, other", "all"])
+def test_disabled_by_environment(isolated_registry, fake_module, monkeypatch, disabled):
+    monkeypatch.setenv("SPECSHIM_DISABLE", disabled)
     module = importlib.import_module(fake_module(SOURCE))
-    original = module.greet
+    original, original_size = module.greet, module.Thing.size
     _patch(module.__name__)
     _patch(module.__name__, id="other", attribute="Thing.size")
     _registry.apply()
-    assert module.greet is original
-    assert _state("shout") is State.DISABLED
-
-
-def test_disable_all(isolated_registry, fake_module, monkeypatch):
-    monkeypatch.setenv("SPECSHIM_DISABLE", "all")
-    module = importlib.import_module(fake_module(SOURCE))
-    original = module.greet
-    _patch(module.__name__)
-    _registry.apply()
-    assert module.greet is original
-    assert _state("shout") is State.DISABLED
+    assert module.greet is original and module.Thing.size is original_size
+    assert _state("shout") is State.DISABLED and _state("other") is State.DISABLED
 
 
 def test_unknown_disabled_id_warns(isolated_registry, fake_module, monkeypatch):
