@@ -227,7 +227,14 @@ def _apply_one(record: PatchRecord, module: Any) -> None:
         return
     try:
         owner, name = _resolve_owner(module, patch.attribute)
-        original = getattr(owner, name, _MISSING)
+    except AttributeError as exc:
+        record.state, record.detail = State.INCOMPATIBLE, str(exc)
+        _complain(
+            record, f"{patch.attribute} in {patch.module}", f"no such name ({exc})"
+        )
+        return
+    original = getattr(owner, name, _MISSING)
+    try:
         patch.probe(None if original is _MISSING else original)
     except NotNeeded as exc:
         record.state, record.detail = State.NOT_NEEDED, str(exc)
@@ -236,11 +243,11 @@ def _apply_one(record: PatchRecord, module: Any) -> None:
         record.state, record.detail = State.INCOMPATIBLE, str(exc)
         _complain(record, exc.expected, exc.found)
         return
-    except AttributeError as exc:
-        record.state, record.detail = State.INCOMPATIBLE, str(exc)
-        _complain(
-            record, f"{patch.attribute} in {patch.module}", f"no such name ({exc})"
-        )
+    except Exception as exc:
+        # A probe that crashes is a specshim bug or a shape nobody foresaw; it
+        # must not pass for "no such name" nor escape without the diagnosis.
+        record.state, record.detail = State.FAILED, f"{type(exc).__name__}: {exc}"
+        _complain(record, "a probe that runs to a verdict", record.detail)
         return
     try:
         replacement = patch.build(None if original is _MISSING else original)

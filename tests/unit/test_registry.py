@@ -165,6 +165,19 @@ def test_missing_target_is_incompatible(isolated_registry, fake_module):
         _registry.apply()
 
 
+def test_crashing_probe_is_failed_not_missing(isolated_registry, fake_module):
+    module = importlib.import_module(fake_module(SOURCE))
+
+    def probe(original):
+        return original.no_such_attribute  # an AttributeError inside the probe
+
+    _patch(module.__name__, probe=probe)
+    with pytest.raises(SpecShimError, match="no_such_attribute") as info:
+        _registry.apply()
+    assert "no such name" not in str(info.value)
+    assert _state("shout") is State.FAILED
+
+
 def test_failed_build_is_reported(isolated_registry, fake_module):
     module = importlib.import_module(fake_module(SOURCE))
 
