@@ -180,3 +180,11 @@ def test_eagle3_gate_accepts_structure_and_keeps_vllms_answer():
     assert gate(CausalLM(Stack()))
     assert gate(nn.Linear(1, 1))  # vLLM said yes
     assert not gate(nn.Conv1d(1, 1, 1))
+
+
+def test_layer_state_never_aliases_the_models_tensors():
+    hidden, residual = torch.ones(2, 3), torch.ones(2, 3)
+    for output in ((hidden, residual), (hidden, None), (hidden,), hidden):
+        state = capture_hooks.layer_state(output)
+        assert state.data_ptr() not in (hidden.data_ptr(), residual.data_ptr())
+    assert torch.equal(capture_hooks.layer_state((hidden, residual)), hidden + residual)

@@ -48,12 +48,18 @@ logger = logging.getLogger(__name__)
 
 
 def layer_state(output: Any) -> Any:
-    """``hidden_states + residual`` from a decoder layer's output."""
+    """``hidden_states + residual`` from a decoder layer's output, as a new tensor.
+
+    The sum is already a fresh tensor; a lone output is cloned, since the model
+    may reuse its buffer in the next layer.
+    """
     if isinstance(output, tuple):
         hidden_states = output[0]
         residual = output[1] if len(output) > 1 else None
-        return hidden_states if residual is None else hidden_states + residual
-    return output
+        if residual is not None:
+            return hidden_states + residual
+        return hidden_states.clone()
+    return output.clone()
 
 
 class _Capture:
@@ -66,7 +72,7 @@ class _Capture:
 
     def hook(self, index: int) -> Any:
         def on_output(module: Any, args: Any, output: Any) -> None:
-            self.buffer[index] = layer_state(output).clone()
+            self.buffer[index] = layer_state(output)
             if len(self.buffer) == len(self.layer_ids):
                 states = [self.buffer[i] for i in self.layer_ids]
                 self.buffer = {}
