@@ -112,3 +112,60 @@ def format_report(data: dict[str, Any] | None = None) -> str:
     else:
         lines += ["", "Nothing to fix."]
     return "\n".join(lines)
+
+
+def model_report(path: str) -> dict[str, Any]:
+    """How the generator's (patched) ``ModelConfig`` treats one checkpoint.
+
+    Builds the config exactly as speculators' generator does, through its
+    module's view of ``ModelConfig``, so the answer includes ``text-only-loading``.
+    """
+    import importlib
+
+    from specshim.patches.main.text_only_loading import supported_modalities
+
+    generator = importlib.import_module(
+        "speculators.data_generation.vllm_hidden_states_generator"
+    )
+    config = generator.ModelConfig(
+        model=path, tokenizer=path, trust_remote_code=True, dtype="auto"
+    )
+    modalities = supported_modalities(config)
+    multimodal = getattr(config, "multimodal_config", None)
+    limits = (
+        {name: multimodal.get_limit_per_prompt(name) for name in modalities}
+        if multimodal is not None
+        else {}
+    )
+    return {
+        "path": path,
+        "architecture": config.architecture,
+        "model_type": getattr(config.hf_config, "model_type", None),
+        "decoder_layers": config.get_total_num_hidden_layers(),
+        "vocab_size": config.get_vocab_size(),
+        "modalities": modalities,
+        "limits": limits,
+        "text_only": bool(modalities) and all(v == 0 for v in limits.values()),
+    }
+
+
+def format_model_report(data: dict[str, Any]) -> str:
+    lines = [
+        f"model {data['path']}",
+        f"  {data['architecture']} ({data['model_type']}), "
+        f"{data['decoder_layers']} decoder layers, vocabulary {data['vocab_size']}",
+    ]
+    if not data["modalities"]:
+        lines.append("  text model: nothing to skip")
+    elif data["text_only"]:
+        limited = ", ".join(f"{name}=0" for name in data["modalities"])
+        lines.append(
+            f"  text-only-loading: encoder towers not built ({limited}); "
+            "set SPECSHIM_DISABLE=text-only-loading to build them"
+        )
+    else:
+        lines.append(
+            f"  encoder towers WILL be built and profiled (limits {data['limits']}); "
+            "hidden-state extraction never uses them"
+        )
+    return "\n".join(lines)

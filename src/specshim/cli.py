@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -21,19 +22,29 @@ _TARGET_MODULES = (
 def _doctor(args: argparse.Namespace) -> int:
     import specshim
 
-    failures = []
-    for name in _TARGET_MODULES:
-        try:
-            importlib.import_module(name)
-        except SpecShimError as exc:
-            failures.append(str(exc))
-        except ImportError as exc:
-            failures.append(f"cannot import {name}: {exc}")
-    data = specshim.report()
+    # vLLM logs to stdout; keep stdout for the report itself (valid --json).
+    with contextlib.redirect_stdout(sys.stderr):
+        failures = []
+        for name in _TARGET_MODULES:
+            try:
+                importlib.import_module(name)
+            except SpecShimError as exc:
+                failures.append(str(exc))
+            except ImportError as exc:
+                failures.append(f"cannot import {name}: {exc}")
+        data = specshim.report()
+        if args.model and not failures:
+            from specshim._report import model_report
+
+            data["model"] = model_report(args.model)
     if args.json:
         print(json.dumps(data, indent=2))
     else:
         print(specshim.format_report(data))
+        if "model" in data:
+            from specshim._report import format_model_report
+
+            print("\n" + format_model_report(data["model"]))
         for failure in failures:
             print("\n" + failure)
     bad = [p for p in data["patches"] if p["state"] in ("incompatible", "failed")]
@@ -205,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
         "specshim doctor",
     )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument(
+        "--model",
+        metavar="PATH",
+        help="also show how the generator will load this checkpoint",
+    )
     doctor.set_defaults(func=_doctor)
 
     table = _command(

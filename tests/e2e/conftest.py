@@ -10,6 +10,10 @@ import pytest
 
 LAYERS = [1, 3, 5]
 MAX_MODEL_LEN = 1024
+# The Hugging Face model each fixture is checked against. Kimi-K2.5's text
+# weights are exactly the tiny DeepSeek-V3's (same seed), and its text model is
+# a DeepseekV3ForCausalLM.
+HF_REFERENCE = {"kimi_k25": "deepseek_v3"}
 
 
 def make_generator(path: str, tp: int, layer_ids: list[int] | None = None) -> Any:
@@ -54,16 +58,18 @@ def hf_reference() -> Any:
         ("llama", 1),
         ("qwen2", 1),
         ("deepseek_v3", 1),
+        ("kimi_k25", 1),
         pytest.param(("llama", 2), marks=pytest.mark.tp2),
         pytest.param(("qwen2", 2), marks=pytest.mark.tp2),
         pytest.param(("deepseek_v3", 2), marks=pytest.mark.tp2),
+        pytest.param(("kimi_k25", 2), marks=pytest.mark.tp2),
     ],
     ids=lambda p: f"{p[0]}-tp{p[1]}",
 )
 def generator(request: pytest.FixtureRequest, tiny_model_dir: Any) -> Iterator[Any]:
     name, tp = request.param
     gen = make_generator(str(tiny_model_dir(name)), tp)
-    gen.specshim_model_name = name
+    gen.specshim_reference_name = HF_REFERENCE.get(name, name)
     try:
         yield gen
     finally:

@@ -1,5 +1,8 @@
 """Unmodified speculators 0.3.0 on vLLM 0.16's CPU backend, checked per token
-against a Hugging Face forward, for the batch shapes that break alignment."""
+against a Hugging Face forward, for the batch shapes that break alignment.
+
+Models: Llama, Qwen2, DeepSeek-V3 MoE and Kimi-K2.5 (a multimodal wrapper around
+the same DeepSeek-V3 text weights), at TP=1 and TP=2."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ def _run(
     generator: Any, hf_reference: Any, tiny_model_dir: Any, batch: list[list[int]]
 ) -> None:
     results = generator.generate(batch)
-    reference = hf_reference(tiny_model_dir(generator.specshim_model_name))
+    reference = hf_reference(tiny_model_dir(generator.specshim_reference_name))
     assert_batch_matches(results, batch, reference, LAYERS)
 
 
@@ -80,7 +83,7 @@ def test_checks_reject_a_one_row_shift(generator, hf_reference, tiny_model_dir):
     rng = random.Random(7)
     batch = _seqs(rng, 3, 30, 60)
     results = generator.generate(batch)
-    reference = hf_reference(tiny_model_dir(generator.specshim_model_name))
+    reference = hf_reference(tiny_model_dir(generator.specshim_reference_name))
     ids = batch[1]
     expected = reference.states(ids, LAYERS)
     assert mismatch(results[1]["hidden_states"], expected) is None

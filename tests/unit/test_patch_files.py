@@ -29,3 +29,32 @@ def test_every_patch_file_registers_one_patch():
 def test_every_drift_row_is_covered():
     rows = {row for p in specshim.registry() for row in p.drift_rows}
     assert rows == set(range(1, 15))
+
+
+def test_kimi_fixture_carries_the_deepseek_text_weights(tmp_path):
+    """The e2e tier compares Kimi-K2.5 with DeepSeek-V3: same seed, same weights."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from specshim.testing.tiny_models import (
+        KIMI_VISION_CONFIG,
+        build_deepseek_v3,
+        build_kimi_k25,
+        moonvit_weight_shapes,
+    )
+
+    kimi = load_file(str(build_kimi_k25(tmp_path / "kimi") / "model.safetensors"))
+    text = load_file(str(build_deepseek_v3(tmp_path / "ds") / "model.safetensors"))
+    assert {f"language_model.{name}" for name in text} <= set(kimi)
+    for name, tensor in text.items():
+        assert kimi[f"language_model.{name}"].equal(tensor), name
+    vision = moonvit_weight_shapes(KIMI_VISION_CONFIG)
+    assert set(kimi) == {f"language_model.{n}" for n in text} | set(vision)
+    config = json.loads((tmp_path / "kimi" / "config.json").read_text())
+    assert config["model_type"] == "kimi_k25"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "kimi")
+    pad = tokenizer.convert_tokens_to_ids("<|media_pad|>")
+    assert config["media_placeholder_token_id"] == pad

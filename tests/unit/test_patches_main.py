@@ -362,3 +362,49 @@ def test_shape_check_without_layout():
     results = _results([2, 2], torch.zeros(3, 1))
     with pytest.raises(SpecShimError, match="sequence 1 has 2 tokens but 1"):
         generate_guard.check_shapes(results)
+
+
+class ModelConfigFake:
+    """Records the limits it was built with; multimodal when ``modalities``."""
+
+    def __init__(self, model, limit_mm_per_prompt=None, modalities=()):
+        self.model = model
+        self.architecture = "FakeForConditionalGeneration"
+        self.limits = limit_mm_per_prompt
+        self.multimodal_config = SimpleNamespace() if modalities else None
+        self.modalities = list(modalities)
+
+
+def _fake_modalities(config):
+    return config.modalities
+
+
+def test_text_only_loading_limits_every_supported_modality(monkeypatch):
+    from specshim.patches.main import text_only_loading
+
+    monkeypatch.setattr(text_only_loading, "supported_modalities", _fake_modalities)
+    build = text_only_loading.PATCH.build(ModelConfigFake)
+    kimi = build(model="kimi", modalities=("vision_chunk",))
+    assert kimi.limits == {"vision_chunk": 0}
+    both = build(model="vl", modalities=("image", "video"))
+    assert both.limits == {"image": 0, "video": 0}
+
+
+def test_text_only_loading_leaves_text_models_and_caller_limits(monkeypatch):
+    from specshim.patches.main import text_only_loading
+
+    monkeypatch.setattr(text_only_loading, "supported_modalities", _fake_modalities)
+    build = text_only_loading.PATCH.build(ModelConfigFake)
+    assert build(model="llama").limits is None
+    chosen = build(model="kimi", modalities=("vision_chunk",), limit_mm_per_prompt={})
+    assert chosen.limits == {}
+
+
+def test_text_only_loading_needs_the_limit_parameter():
+    from specshim.patches.main import text_only_loading
+
+    def model_config(model, tokenizer=None):  # no limit_mm_per_prompt
+        return None
+
+    with pytest.raises(Incompatible):
+        text_only_loading.PATCH.probe(model_config)

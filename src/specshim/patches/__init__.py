@@ -16,6 +16,7 @@ MAIN = (
     "async_scheduling_off",
     "prefix_caching_off",
     "cpu_mla_disable",
+    "text_only_loading",
     "kv_cache_config_args",
     "cpu_kv_cache_space",
     "scheduler_block_size",

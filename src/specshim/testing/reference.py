@@ -14,7 +14,12 @@ class HFReference:
     ``output_hidden_states`` would apply the final norm).
     """
 
-    def __init__(self, model_path: str, dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        apply_llama_4_scaling: bool = False,
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -22,6 +27,31 @@ class HFReference:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, torch_dtype=getattr(torch, dtype)
         ).eval()
+        if apply_llama_4_scaling:
+            self._add_llama_4_scaling(self.model.config.llama_4_scaling)
+
+    def _add_llama_4_scaling(self, scaling: dict[str, Any]) -> None:
+        """Scale each token's attention query as Mistral-Large-3-style configs do.
+
+        transformers' DeepSeek-V3 ignores ``llama_4_scaling``; vLLM multiplies
+        the whole query of the token at position ``p`` by
+        ``1 + beta * log(1 + floor(p / original_max_position_embeddings))``.
+        Rotary embedding is linear per position, so scaling the query
+        projection's output is the same thing.
+        """
+        torch = self.torch
+        beta = float(scaling["beta"])
+        original = int(scaling["original_max_position_embeddings"])
+
+        def scale_query(module: Any, args: Any, output: Any) -> Any:
+            positions = torch.arange(output.shape[-2], dtype=torch.float32)
+            factor = 1 + beta * torch.log1p(torch.floor(positions / original))
+            return output * factor[:, None].to(output.dtype)
+
+        for layer in self.layers():
+            attention = layer.self_attn
+            query = getattr(attention, "q_b_proj", None) or attention.q_proj
+            query.register_forward_hook(scale_query)
 
     def layers(self) -> Any:
         inner = self.model.model

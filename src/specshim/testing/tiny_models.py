@@ -38,19 +38,20 @@ _COMMON: dict[str, Any] = {
 }
 
 
-def build_tokenizer(path: Path) -> None:
+def build_tokenizer(path: Path, extra_special: tuple[str, ...] = ()) -> None:
     """A byte-level BPE tokenizer with no merges: one token per byte."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {symbol: index for index, symbol in enumerate(alphabet)}
-    for offset, token in enumerate(SPECIAL_TOKENS):
+    specials = [*SPECIAL_TOKENS, *extra_special]
+    for offset, token in enumerate(specials):
         vocab[token] = len(alphabet) + offset
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer.add_special_tokens(specials)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token="<s>",
@@ -61,10 +62,9 @@ def build_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def _save(path: Path, config: Any, model_cls: Callable[[Any], Any], seed: int) -> Path:
+def _init_model(config: Any, model_cls: Callable[[Any], Any], seed: int) -> Any:
     import torch
 
-    path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = model_cls(config)
     with torch.no_grad():
@@ -74,6 +74,12 @@ def _save(path: Path, config: Any, model_cls: Callable[[Any], Any], seed: int) -
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             elif "bias" in name:
                 param.copy_(0.02 * torch.randn_like(param))
+    return model
+
+
+def _save(path: Path, config: Any, model_cls: Callable[[Any], Any], seed: int) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    model = _init_model(config, model_cls, seed)
     model.save_pretrained(path, safe_serialization=True)
     build_tokenizer(path)
     return path
@@ -137,8 +143,145 @@ def build_deepseek_v3(path: Path, seed: int = 0, **overrides: Any) -> Path:
     return out
 
 
+# --- Kimi-K2.5: a multimodal wrapper around a DeepSeek-V3 text model ---------
+#
+# What a Kimi-K2.5 checkpoint holds, in miniature:
+# * ``config.json``: ``model_type: kimi_k25``, a DeepSeek-V3 ``text_config``, a
+#   MoonViT ``vision_config``, the media placeholder id, and ``auto_map``
+#   entries for the remote-code config (read by transformers' AutoConfig; vLLM
+#   uses its own class) and image processor (vLLM loads it even for text);
+# * text weights: HF ``DeepseekV3ForCausalLM`` names under ``language_model.``;
+# * vision weights: vLLM's MoonViT names under ``vision_tower.``, projector
+#   weights as ``mm_projector.proj.0`` / ``proj.2`` (vLLM maps them to
+#   ``linear_1`` / ``linear_2``);
+# * a tokenizer with the media special tokens.
+
+KIMI_MEDIA_TOKENS = (
+    "<|media_begin|>",
+    "<|media_content|>",
+    "<|media_pad|>",
+    "<|media_end|>",
+    "<|kimi_k25_video_placeholder|>",
+)
+
+KIMI_VISION_CONFIG: dict[str, Any] = {
+    "patch_size": 14,
+    "init_pos_emb_height": 8,
+    "init_pos_emb_width": 8,
+    "init_pos_emb_time": 4,
+    "pos_emb_type": "divided_fixed",
+    "num_attention_heads": 2,  # head_dim 32: vLLM's CPU attention rejects 16
+    "num_hidden_layers": 1,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "merge_kernel_size": [2, 2],
+    "video_attn_type": "spatial_temporal",
+    "merge_type": "sd2_tpool",
+    "mm_projector_type": "patchmerger",
+    "mm_hidden_size": _COMMON["hidden_size"],
+    "projector_hidden_act": "gelu",
+    "projector_ln_eps": 1e-5,
+}
+
+
+def moonvit_weight_shapes(vision: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the vision tower and projector tensors on disk."""
+    hidden, mlp, patch = (
+        vision["hidden_size"],
+        vision["intermediate_size"],
+        vision["patch_size"],
+    )
+    merged = hidden * vision["merge_kernel_size"][0] * vision["merge_kernel_size"][1]
+    shapes: dict[str, tuple[int, ...]] = {
+        "vision_tower.patch_embed.proj.weight": (hidden, 3, patch, patch),
+        "vision_tower.patch_embed.proj.bias": (hidden,),
+        "vision_tower.patch_embed.pos_emb.weight": (
+            vision["init_pos_emb_height"],
+            vision["init_pos_emb_width"],
+            hidden,
+        ),
+        "vision_tower.encoder.final_layernorm.weight": (hidden,),
+        "vision_tower.encoder.final_layernorm.bias": (hidden,),
+        "mm_projector.pre_norm.weight": (hidden,),
+        "mm_projector.pre_norm.bias": (hidden,),
+        "mm_projector.proj.0.weight": (merged, merged),
+        "mm_projector.proj.0.bias": (merged,),
+        "mm_projector.proj.2.weight": (vision["mm_hidden_size"], merged),
+        "mm_projector.proj.2.bias": (vision["mm_hidden_size"],),
+    }
+    for i in range(vision["num_hidden_layers"]):
+        block = f"vision_tower.encoder.blocks.{i}"
+        for norm in ("norm0", "norm1"):
+            shapes[f"{block}.{norm}.weight"] = (hidden,)
+            shapes[f"{block}.{norm}.bias"] = (hidden,)
+        shapes[f"{block}.wqkv.weight"] = (3 * hidden, hidden)
+        shapes[f"{block}.wqkv.bias"] = (3 * hidden,)
+        shapes[f"{block}.wo.weight"] = (hidden, hidden)
+        shapes[f"{block}.wo.bias"] = (hidden,)
+        shapes[f"{block}.mlp.fc0.weight"] = (mlp, hidden)
+        shapes[f"{block}.mlp.fc0.bias"] = (mlp,)
+        shapes[f"{block}.mlp.fc1.weight"] = (hidden, mlp)
+        shapes[f"{block}.mlp.fc1.bias"] = (hidden,)
+    return shapes
+
+
+def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
+    """A tiny Kimi-K2.5 whose text weights equal ``build_deepseek_v3(seed)``'s."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from specshim.testing import kimi_k25_code
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    text_config = deepseek_v3_config(**text_overrides)
+    text = _init_model(DeepseekV3Config(**text_config), DeepseekV3ForCausalLM, seed)
+    tensors = {
+        f"language_model.{name}": tensor.contiguous()
+        for name, tensor in text.state_dict().items()
+    }
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, shape in moonvit_weight_shapes(KIMI_VISION_CONFIG).items():
+        tensors[name] = 0.02 * torch.randn(shape, generator=generator)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+    build_tokenizer(path, extra_special=KIMI_MEDIA_TOKENS)
+    media_pad = len(SPECIAL_TOKENS) + 256 + KIMI_MEDIA_TOKENS.index("<|media_pad|>")
+    text_dict = text.config.to_dict()
+    text_dict.update(topk_method="noaux_tc", scoring_func="sigmoid")
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
+        "text_config": text_dict,
+        "vision_config": KIMI_VISION_CONFIG,
+        "media_placeholder_token_id": media_pad,
+        "bos_token_id": _COMMON["bos_token_id"],
+        "eos_token_id": _COMMON["eos_token_id"],
+        "pad_token_id": _COMMON["pad_token_id"],
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    processor = "image_processing_kimi_k25.TinyKimiK25ImageProcessor"
+    preprocessor = {
+        "auto_map": {"AutoImageProcessor": processor},
+        "image_processor_type": "TinyKimiK25ImageProcessor",
+        "patch_size": KIMI_VISION_CONFIG["patch_size"],
+        "merge_kernel_size": KIMI_VISION_CONFIG["merge_kernel_size"],
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    code = Path(kimi_k25_code.__file__).parent
+    for name in ("configuration_kimi_k25.py", "image_processing_kimi_k25.py"):
+        shutil.copyfile(code / name, path / name)
+    return path
+
+
 BUILDERS: dict[str, Callable[..., Path]] = {
     "llama": build_llama,
     "qwen2": build_qwen2,
     "deepseek_v3": build_deepseek_v3,
+    "kimi_k25": build_kimi_k25,
 }
