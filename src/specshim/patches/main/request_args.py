@@ -57,6 +57,15 @@ def _probe(original: Any) -> None:
     params = parameters(original)
     if "eos_token_id" in params and "block_hasher" not in params:
         raise NotNeeded("Request takes eos_token_id and has no block hashes")
+    if "eos_token_id" in params and not _prefix_caching_on_by_default():
+        raise NotNeeded("Request takes eos_token_id and prefix caching is opt-in")
+
+
+def _prefix_caching_on_by_default() -> bool:
+    from vllm.config import CacheConfig
+
+    param = parameters(CacheConfig).get("enable_prefix_caching")
+    return param is not None and param.default is True
 
 
 def _adapt(params: dict[str, Any]) -> Any:

@@ -24,9 +24,9 @@ Why:
     layer has run the per-forward list goes to speculators' own
     ``_store_captured_states``. Whatever the model's forward computes for its
     layers (scaling, extra kwargs) is honoured by construction. As in
-    speculators, only tensor-parallel rank 0 captures. The setup also records,
-    per executed step, which request owns which captured rows, so the main
-    process can check alignment (``generate-guard``).
+    speculators, only tensor-parallel rank 0 captures. It replaces the setup
+    outright, so it comes first among the patches on that method
+    (``row-layout`` wraps it).
 Upstream change:
     vLLM 0.12 (``embed_input_ids``, DeepSeek layer signature), 0.15 (Llama
     ``extra_layer_kwargs``, Kimi-K2.5 wrapper), 0.16 nightly (required
@@ -81,28 +81,6 @@ class _Capture:
         return on_output
 
 
-def _record_layout(extension: Any, runner: Any) -> None:
-    """Wrap this worker's ``model_runner.execute_model`` to log the row layout."""
-    if getattr(runner, "_specshim_layout_wrapped", False):
-        return
-    execute_model = runner.execute_model
-
-    def recording_execute_model(
-        scheduler_output: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        output = execute_model(scheduler_output, *args, **kwargs)
-        counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-        batch = getattr(runner, "input_batch", None)
-        order = list(getattr(batch, "req_ids", counts.keys()))
-        extension._specshim_layout.extend(
-            (rid, int(counts[rid])) for rid in order if rid in counts
-        )
-        return output
-
-    runner.execute_model = recording_execute_model
-    runner._specshim_layout_wrapped = True
-
-
 def _tp_rank() -> int:
     from vllm.distributed import get_tp_group
 
@@ -116,8 +94,6 @@ def setup_hidden_states_capture(self: Any, layer_ids: list[int]) -> None:
     custom_worker = sys.modules[WORKER]
     self._layer_ids = frozenset(layer_ids)
     self._captured_states = None
-    if not hasattr(self, "_specshim_layout"):
-        self._specshim_layout = []
     model = self.model_runner.model
     if not custom_worker.supports_eagle3(model):
         raise ValueError(
@@ -142,7 +118,6 @@ def setup_hidden_states_capture(self: Any, layer_ids: list[int]) -> None:
             self._specshim_hooks.append(
                 layer.register_forward_hook(capture.hook(index))
             )
-    _record_layout(self, self.model_runner)
     logger.info(
         "Hidden states capture setup complete for layers %s (specshim hooks on %s)",
         sorted(layer_ids),
@@ -175,6 +150,5 @@ PATCH = register(
         upstream="vLLM 0.12/0.15/0.16-nightly: stack location, embed, layer call",
         remove_when="speculators captures through hooks",
         drift_rows=(12, 13, 14),
-        replaces=True,
     )
 )

@@ -2,7 +2,7 @@
 
 Why:
     speculators' main process slices captured rows by position and cannot
-    notice a reordered or incomplete batch. ``capture-hooks`` records, for
+    notice a reordered or incomplete batch. ``row-layout`` records, for
     every executed step, the requests in the order their tokens were laid out;
     this adds ``HiddenStatesWorkerExtension._specshim_captured_layout()`` so
     ``generate-guard`` can fetch (and clear) that record after each
@@ -23,7 +23,7 @@ from specshim.patches._util import WORKER
 
 def captured_layout(self: Any) -> list[tuple[str, int]] | None:
     """The recorded (request id, rows) pairs since the last call; None if the
-    recording is not armed (``capture-hooks`` not applied in this worker)."""
+    recording is not armed (``row-layout`` not applied in this worker)."""
     if not hasattr(self, "_specshim_layout"):
         return None
     layout = list(self._specshim_layout)
@@ -42,8 +42,8 @@ PATCH = register(
         process="worker",
         module=WORKER,
         attribute="HiddenStatesWorkerExtension._specshim_captured_layout",
-        package="speculators",
-        versions="==0.3.*",
+        package="vllm",
+        versions=">=0.11",
         probe=_probe,
         build=lambda original: captured_layout,
         why=__doc__ or "",
