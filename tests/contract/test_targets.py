@@ -172,13 +172,17 @@ def test_upstream_fact_appears_where_the_history_says(row, fact, since, check):
     )
 
 
-def test_doctor_lists_every_patch():
-    out = subprocess.run(
-        [sys.executable, "-m", "specshim", "doctor"],
+def _specshim(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "specshim", *args],
         capture_output=True,
         text=True,
         check=False,
     )
+
+
+def test_doctor_lists_every_patch():
+    out = _specshim("doctor")
     assert out.returncode == 0, out.stdout + out.stderr
     for record in specshim.records():
         assert record.patch.id in out.stdout
@@ -186,12 +190,7 @@ def test_doctor_lists_every_patch():
 
 
 def test_check_command_passes_and_names_every_patch():
-    out = subprocess.run(
-        [sys.executable, "-m", "specshim", "check"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    out = _specshim("check")
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     for record in specshim.records():
         assert f"patch {record.patch.id}" in out.stdout

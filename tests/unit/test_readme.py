@@ -12,3 +12,46 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 def test_readme_patch_table_is_generated_and_current():
     text = README.read_text()
     assert render_into(text) == text, "run: python -m specshim table --write README.md"
+
+
+def _matrix_module():
+    import importlib.util
+
+    path = README.parent / "matrix" / "run.py"
+    spec = importlib.util.spec_from_file_location("specshim_matrix_run", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_compat_table_covers_every_version_and_patch():
+    """The matrix wrote it; a patch added since then needs a new matrix run."""
+    import specshim
+
+    matrix = _matrix_module()
+    table = matrix._table_states(README.read_text())
+    assert list(table) == list(matrix.VERSIONS)
+    ids = [patch.id for patch in specshim.registry()]
+    for version, states in table.items():
+        assert list(states) == ids, f"vLLM {version}: rerun make test-matrix"
+        assert set(states.values()) <= {"applied", "not needed"}, version
+
+
+def test_compat_table_round_trips():
+    matrix = _matrix_module()
+    results = [
+        {
+            "version": "0.11.0",
+            "states": {"a": "applied", "b": "not needed"},
+            "contract": "3 passed",
+            "e2e": "14 passed",
+        },
+        {
+            "version": "0.16.0",
+            "states": {"a": "applied", "b": "applied"},
+            "contract": "3 passed",
+            "e2e": "21 passed",
+        },
+    ]
+    text = f"x\n{matrix.BEGIN}\n{matrix.compat_table(results)}\n{matrix.END}\ny"
+    assert matrix._table_states(text) == {r["version"]: r["states"] for r in results}
