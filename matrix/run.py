@@ -52,10 +52,6 @@ def _uv() -> str:
     return str(local) if local.exists() else (shutil.which("uv") or "uv")
 
 
-def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split(".")[:2])
-
-
 def _stamp(version: str) -> str:
     parts = [
         version,
@@ -181,7 +177,7 @@ def run_version(version: str, out_dir: Path) -> dict:
     result["contract_s"] = round(time.monotonic() - t, 1)
 
     models = ["llama-tp1", "deepseek_v3-tp1"]
-    if _release(version) >= KIMI_ON_CPU_SINCE:
+    if _release_key(version) >= KIMI_ON_CPU_SINCE:
         models.append("kimi_k25-tp1")
     t = time.monotonic()
     _log(f"{version}: e2e reference tier ({', '.join(models)})")

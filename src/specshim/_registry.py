@@ -318,21 +318,32 @@ def installed_versions_line() -> str:
     return ", ".join(f"{n} {installed_version(n) or 'missing'}" for n in names)
 
 
+def installed_release(package: str) -> tuple[int, ...] | None:
+    """The installed version's release numbers (``0.16.0+cpu`` -> ``(0, 16, 0)``).
+
+    0.16.0rc2, 0.16.0+cpu and 0.16.1.dev3 all belong to the 0.16 line as far as
+    API drift is concerned. None if not installed or not a PEP 440 version.
+    """
+    from packaging.version import InvalidVersion, Version
+
+    raw = installed_version(package)
+    if raw is None:
+        return None
+    try:
+        return Version(raw).release
+    except InvalidVersion:
+        return None
+
+
 def version_advice(patch: Patch) -> str:
     """'in range', 'outside range' or 'unknown' for the installed package."""
     from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
+    from packaging.version import Version
 
-    raw = installed_version(patch.package)
-    if raw is None:
+    numbers = installed_release(patch.package)
+    if numbers is None:
         return "unknown"
-    try:
-        version = Version(raw)
-    except InvalidVersion:
-        return "unknown"
-    # Compare on the release only: 0.16.0rc2, 0.16.0+cpu and 0.16.1.dev3 all
-    # belong to the 0.16 line as far as API drift is concerned.
-    release = Version(".".join(str(p) for p in version.release))
+    release = Version(".".join(map(str, numbers)))
     inside = SpecifierSet(patch.versions).contains(release, prereleases=True)
     return "in range" if inside else "outside range"
 

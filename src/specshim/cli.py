@@ -13,19 +13,16 @@ from pathlib import Path
 
 from specshim._registry import SpecShimError
 
-_TARGET_MODULES = (
-    "speculators.data_generation.vllm_hidden_states_generator",
-    "speculators.data_generation.custom_worker",
-)
-
 
 def _doctor(args: argparse.Namespace) -> int:
     import specshim
 
     # vLLM logs to stdout; keep stdout for the report itself (valid --json).
+    from specshim.compat import TARGET_MODULES
+
     with contextlib.redirect_stdout(sys.stderr):
         failures = []
-        for name in _TARGET_MODULES:
+        for name in TARGET_MODULES:
             try:
                 importlib.import_module(name)
             except SpecShimError as exc:

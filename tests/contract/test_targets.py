@@ -33,13 +33,10 @@ def _gen(name):
     return upstream(getattr(importlib.import_module(GENERATOR), name))
 
 
-def _vllm_release() -> tuple[int, int]:
-    from packaging.version import Version
+def _vllm_release() -> tuple[int, ...]:
+    from specshim._registry import installed_release
 
-    from specshim._registry import installed_version
-
-    release = Version(installed_version("vllm")).release
-    return release[0], release[1]
+    return installed_release("vllm")[:2]
 
 
 def _required(callable_, name):

@@ -57,13 +57,10 @@ UPSTREAM_CPU_DEFECTS = {
 UPSTREAM_CPU_CRASHES = {("deepseek_v3", (0, 14)): _DEEPSEEK_WARMUP}
 
 
-def vllm_minor() -> tuple[int, int]:
-    from packaging.version import Version
+def vllm_minor() -> tuple[int, ...]:
+    from specshim._registry import installed_release
 
-    from specshim._registry import installed_version
-
-    release = Version(installed_version("vllm") or "0").release
-    return (release + (0, 0))[0], (release + (0, 0))[1]
+    return (installed_release("vllm") or (0, 0))[:2]
 
 
 @pytest.fixture(autouse=True)
