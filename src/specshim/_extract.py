@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specshim import _settings
 from specshim._dataset import Sample, load_samples
 from specshim._registry import SpecShimError, installed_version
+from specshim._settings import DEFAULT_BATCH_SIZE, STEP_DEFAULTS
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +40,33 @@ class ExtractOptions:
     layers: list[int] | None = None
     max_model_len: int = 2048
     tp: int = 1
-    batch_size: int = 32
+    batch_size: int = DEFAULT_BATCH_SIZE
     gpu_memory_utilization: float = 0.8
     shard: tuple[int, int] = (0, 1)
     progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
+    # Step budget and KV-cache fraction (specshim.configure); None: the
+    # SPECSHIM_* variable if set, else STEP_DEFAULTS.
+    max_num_seqs: int | None = None
+    max_batched_tokens: int | None = None
+    cache_memory_fraction: float | None = None
+
+
+def step_settings(options: ExtractOptions) -> dict[str, Any]:
+    """Apply the step budget for this run (flag > environment > STEP_DEFAULTS)."""
+    import specshim
+    from specshim._settings import KNOBS
+
+    chosen = {}
+    for knob in KNOBS:
+        flag = getattr(options, knob.name)
+        if flag is not None:
+            chosen[knob.name] = flag
+        elif not os.environ.get(knob.env, "").strip():
+            chosen[knob.name] = STEP_DEFAULTS[knob.name]
+    try:
+        return specshim.configure(**chosen)
+    except SpecShimError as exc:
+        raise SpecShimError(str(exc).replace("specshim.configure", "extract")) from None
 
 
 def parse_layers(text: str | None) -> list[int] | None:
@@ -212,13 +237,25 @@ class _Progress:
 
 
 def extract(options: ExtractOptions) -> dict[str, Any]:
-    """Run the job; returns counts. Raises SpecShimError on bad input or a crash."""
+    """Run the job; returns counts. Raises SpecShimError on bad input or a crash.
+
+    The step budget it sets (``step_settings``) is undone on return.
+    """
+    saved = _settings.snapshot()
+    try:
+        return _extract(options)
+    finally:
+        _settings.restore(saved)
+
+
+def _extract(options: ExtractOptions) -> dict[str, Any]:
     num_layers, vocab_size = model_facts(options.model)
     layers = choose_layers(options.layers, num_layers)
     if options.max_model_len < 2:
         raise SpecShimError("--max-model-len must be at least 2")
     if options.batch_size < 1 or options.tp < 1:
         raise SpecShimError("--batch-size and --tp must be positive")
+    settings = step_settings(options)
     samples, total = load_samples(
         options.data,
         options.model,
@@ -235,10 +272,11 @@ def extract(options: ExtractOptions) -> dict[str, Any]:
         logger.info("extract: all %d samples of this shard already exist", len(samples))
         return counts | {"written": 0, "tokens": 0, "seconds": 0.0}
     logger.info(
-        "extract: %d samples to write (%d already there), layers %s",
+        "extract: %d samples to write (%d already there), layers %s; step budget %s",
         len(pending),
         counts["skipped"],
         layers,
+        ", ".join(f"{k}={v['value']} ({v['source']})" for k, v in settings.items()),
     )
     generator = _make_generator(options, layers)
     bar = sys.stderr.isatty() if options.progress is None else options.progress

@@ -1,9 +1,11 @@
 """The patch record, its gating, and the apply/revert machinery.
 
 A patch replaces one attribute of one module (``module`` + dotted ``attribute``)
-with a wrapper built from the original. It attaches lazily: a wrapt post-import
-hook fires when the target module is imported (or at once, if it already is), so
-``import specshim`` imports neither torch nor vllm.
+with a wrapper built from the original. It attaches lazily: a post-import hook
+(``specshim._hooks``) fires when the target module is imported (or at once, if
+it already is), so ``import specshim`` imports neither torch nor vllm. The patch
+files themselves are loaded only when a hooked module is imported, or when
+someone asks for the registry.
 
 The probe on the live object decides whether a patch is needed; the version
 range is advice that only shows up in the report.
@@ -11,28 +13,43 @@ range is advice that only shows up in the report.
 
 from __future__ import annotations
 
-import enum
-import logging
 import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
-import wrapt
+from specshim import _hooks
 
-logger = logging.getLogger(__name__)
+TYPE_CHECKING = False  # typing costs ~15 ms to import; annotations are strings
+if TYPE_CHECKING:
+    from typing import Any
+
+    from specshim._types import Patch, PatchRecord
+
+# The patch record types live in ``_types`` (dataclasses and enum cost ~20 ms
+# to import); they load with the first patch file, or on first use here.
+_TYPE_NAMES = ("Incompatible", "NotNeeded", "Patch", "PatchRecord", "State")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TYPE_NAMES:
+        from specshim import _types
+
+        return getattr(_types, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _log() -> Any:
+    import logging  # lazily: ~15 ms at import time
+
+    return logging.getLogger(__name__)
+
 
 __all__ = [
-    "Incompatible",
-    "NotNeeded",
     "Patch",
     "PatchRecord",
     "SpecShimError",
     "SpecShimWarning",
-    "State",
     "apply",
     "records",
     "register",
@@ -49,73 +66,10 @@ class SpecShimWarning(UserWarning):
     """An optional patch could not be applied."""
 
 
-class NotNeeded(Exception):  # noqa: N818 - a probe outcome, not an error
-    """Raised by a probe: the upstream change is absent, leave the target alone."""
-
-
-class Incompatible(Exception):  # noqa: N818 - a probe outcome, turned into an error
-    """Raised by a probe: the target has a shape this patch does not know."""
-
-    def __init__(self, expected: str, found: str) -> None:
-        super().__init__(f"expected {expected}; found {found}")
-        self.expected = expected
-        self.found = found
-
-
-class State(str, enum.Enum):
-    PENDING = "pending"  # target module not imported in this process (yet)
-    APPLIED = "applied"
-    NOT_NEEDED = "not needed"
-    DISABLED = "disabled"
-    INCOMPATIBLE = "incompatible"
-    FAILED = "failed"
-
-
-Probe = Callable[[Any], None]
-Build = Callable[[Any], Any]
-
-
-@dataclass(frozen=True)
-class Patch:
-    """One fix for one upstream change, declared next to its explanation.
-
-    ``probe(original)`` returns if the patch is needed and applicable, raises
-    ``NotNeeded`` if the upstream change is absent, or ``Incompatible`` if the
-    target looks like nothing this patch was written for. ``build(original)``
-    returns the replacement. ``replaces`` marks a full replacement: no other
-    patch may target the same attribute. Otherwise wrappers stack in order.
-    """
-
-    id: str
-    process: str  # "main" or "worker"
-    module: str
-    attribute: str
-    package: str
-    versions: str
-    probe: Probe
-    build: Build
-    why: str
-    upstream: str
-    remove_when: str
-    drift_rows: tuple[int, ...] = ()
-    optional: bool = False
-    replaces: bool = False
-    platform: str = ""  # "cpu": needed only on that vLLM platform
-
-    @property
-    def target(self) -> str:
-        return f"{self.module}:{self.attribute}"
-
-
-@dataclass
-class PatchRecord:
-    patch: Patch
-    state: State = State.PENDING
-    detail: str = ""
-    owner: Any = field(default=None, repr=False)
-    original: Any = field(default=None, repr=False)
-    had_attribute: bool = True
-
+# The modules patches target; hooked at apply() without loading the patch files.
+GENERATOR = "speculators.data_generation.vllm_hidden_states_generator"
+WORKER = "speculators.data_generation.custom_worker"
+HOOKED_MODULES = (GENERATOR, WORKER)
 
 _MISSING = object()
 _lock = threading.RLock()
@@ -127,6 +81,8 @@ _active = False
 
 def register(patch: Patch) -> Patch:
     """Add a patch to the registry (at import of its file)."""
+    from specshim._types import PatchRecord
+
     with _lock:
         if patch.id in _patches:
             raise SpecShimError(f"two patches share the id {patch.id!r}")
@@ -170,28 +126,35 @@ def apply() -> None:
     Idempotent. Safe to call from every vLLM process (the plugin does).
     """
     global _active
-    _load_patch_modules()
     with _lock:
-        unknown = disabled_ids() - set(_patches) - {"all"}
-        if unknown:
-            warnings.warn(
-                f"SPECSHIM_DISABLE names unknown patches: {sorted(unknown)}; "
-                f"known ids: {sorted(_patches)}",
-                SpecShimWarning,
-                stacklevel=2,
-            )
         _active = True
-        for module in dict.fromkeys(p.module for p in _patches.values()):
+        if _loaded:
+            _warn_unknown_disabled()
+        targets = [*HOOKED_MODULES, *(p.module for p in _patches.values())]
+        for module in dict.fromkeys(targets):
             if module not in _hooked_modules:
                 _hooked_modules.add(module)
                 # Fires at once if the module is already imported.
-                wrapt.register_post_import_hook(_on_import, module)
+                _hooks.when_imported(module, _on_import)
             elif module in sys.modules:
                 _on_import(sys.modules[module])
 
 
+def _warn_unknown_disabled() -> None:
+    unknown = disabled_ids() - set(_patches) - {"all"}
+    if unknown:
+        warnings.warn(
+            f"SPECSHIM_DISABLE names unknown patches: {sorted(unknown)}; "
+            f"known ids: {sorted(_patches)}",
+            SpecShimWarning,
+            stacklevel=3,
+        )
+
+
 def revert() -> None:
     """Restore every original attribute and stop patching future imports."""
+    from specshim._types import State
+
     global _active
     with _lock:
         _active = False
@@ -203,9 +166,12 @@ def revert() -> None:
 
 
 def _on_import(module: Any) -> None:
+    from specshim._types import State
+
     with _lock:
         if not _active:
             return
+        _load_patch_modules()
         applied = []
         for record in _records.values():
             if record.patch.module == module.__name__ and record.state is State.PENDING:
@@ -213,7 +179,7 @@ def _on_import(module: Any) -> None:
                 if record.state is State.APPLIED:
                     applied.append(record.patch.id)
         if applied:
-            logger.info(
+            _log().info(
                 "specshim: applied %d patch(es) to %s: %s",
                 len(applied),
                 module.__name__,
@@ -222,6 +188,8 @@ def _on_import(module: Any) -> None:
 
 
 def _apply_one(record: PatchRecord, module: Any) -> None:
+    from specshim._types import Incompatible, NotNeeded, State
+
     patch = record.patch
     if patch.id in disabled_ids() or "all" in disabled_ids():
         record.state, record.detail = State.DISABLED, "SPECSHIM_DISABLE"
@@ -261,7 +229,7 @@ def _apply_one(record: PatchRecord, module: Any) -> None:
     record.had_attribute = original is not _MISSING
     record.state = State.APPLIED
     record.detail = "replaced" if record.had_attribute else "added"
-    logger.debug("specshim: %s %s (%s)", record.detail, patch.target, patch.id)
+    _log().debug("specshim: %s %s (%s)", record.detail, patch.target, patch.id)
 
 
 def _resolve_owner(module: Any, attribute: str) -> tuple[Any, str]:
@@ -359,3 +327,7 @@ def _load_patch_modules() -> None:
     from specshim import patches
 
     patches.load_all()
+    stray = {p.module for p in _patches.values()} - set(HOOKED_MODULES)
+    if stray:
+        raise SpecShimError(f"patches target modules that are not hooked: {stray}")
+    _warn_unknown_disabled()

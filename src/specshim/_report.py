@@ -12,6 +12,7 @@ from specshim._registry import (
     strict,
     version_advice,
 )
+from specshim._settings import settings
 
 PLUGIN_NAME = "specshim"
 PACKAGES = ("vllm", "speculators", "torch", "transformers")
@@ -54,6 +55,7 @@ def report() -> dict[str, Any]:
         "strict": strict(),
         "disabled": os.environ.get("SPECSHIM_DISABLE", ""),
         "patches": patches,
+        "settings": settings(),
         "advice": _advice(patches),
     }
 
@@ -107,6 +109,14 @@ def format_report(data: dict[str, Any] | None = None) -> str:
             f"  {item['id']:<{width}}  {item['process']:<7}  "
             f"{item['state']:<12}  {detail}"
         )
+    knobs = data.get("settings", {})
+    if knobs:
+        lines += ["", f"  {'setting':<22}  {'value':<8}  source (variable)"]
+        for name, item in knobs.items():
+            value = "-" if item["value"] is None else item["value"]
+            lines.append(
+                f"  {name:<22}  {value!s:<8}  {item['source']} ({item['env']})"
+            )
     if data["advice"]:
         lines += ["", "What to do:"] + [f"  - {line}" for line in data["advice"]]
     else:

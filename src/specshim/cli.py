@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from specshim._registry import SpecShimError
+from specshim._settings import DEFAULT_BATCH_SIZE, STEP_DEFAULTS
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -91,6 +92,9 @@ def _extract(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         shard=parse_shard(args.shard),
+        max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_batched_tokens,
+        cache_memory_fraction=args.cache_memory_fraction,
     )
     counts = extract(options)
     rate = counts["tokens"] / counts["seconds"] if counts["seconds"] else 0.0
@@ -176,7 +180,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     extract.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     extract.add_argument(
-        "--batch-size", type=int, default=32, help="samples per generate() call"
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        help="samples per generate() call (default %(default)s; their captured "
+        "states are held in accelerator memory until the call returns)",
+    )
+    extract.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="sequences per scheduler step (speculators: 32; default "
+        f"{STEP_DEFAULTS['max_num_seqs']}, or SPECSHIM_MAX_NUM_SEQS)",
+    )
+    extract.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        help="tokens per scheduler step, at least max-model-len (speculators: "
+        f"8192; default {STEP_DEFAULTS['max_batched_tokens']}, or "
+        "SPECSHIM_MAX_BATCHED_TOKENS)",
+    )
+    extract.add_argument(
+        "--cache-memory-fraction",
+        type=float,
+        help="share of free memory x gpu-memory-utilization for the KV cache "
+        f"(speculators: 0.2; default {STEP_DEFAULTS['cache_memory_fraction']}, "
+        "or SPECSHIM_CACHE_MEMORY_FRACTION)",
     )
     extract.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     extract.add_argument("--shard", help="I/N: take samples i with i %% N == I")

@@ -33,6 +33,24 @@ def make_generator(path: str, tp: int, layer_ids: list[int] | None = None) -> An
     )
 
 
+# Step budgets and KV-cache fractions (``specshim.configure``) that every
+# reference case must also pass: correctness may not depend on them.
+BUDGETS: dict[str, dict[str, Any]] = {
+    # 4 sequences and max_model_len tokens a step, a KV cache of 5%.
+    "small-steps": {
+        "max_num_seqs": 4,
+        "max_batched_tokens": 1,
+        "cache_memory_fraction": 0.05,
+    },
+    # Every test batch in one step.
+    "large-steps": {
+        "max_num_seqs": 256,
+        "max_batched_tokens": 65536,
+        "cache_memory_fraction": 0.6,
+    },
+}
+
+
 def close_generator(generator: Any) -> None:
     generator.executor.shutdown()
 
@@ -101,18 +119,34 @@ def hf_reference() -> Any:
         pytest.param(("qwen2", 2), marks=pytest.mark.tp2),
         pytest.param(("deepseek_v3", 2), marks=pytest.mark.tp2),
         pytest.param(("kimi_k25", 2), marks=pytest.mark.tp2),
+        ("llama", 1, "small-steps"),
+        ("deepseek_v3", 1, "small-steps"),
+        ("llama", 1, "large-steps"),
+        ("deepseek_v3", 1, "large-steps"),
     ],
-    ids=lambda p: f"{p[0]}-tp{p[1]}",
+    ids=lambda p: "-".join([p[0], f"tp{p[1]}", *p[2:]]),
 )
 def generator(request: pytest.FixtureRequest, tiny_model_dir: Any) -> Iterator[Any]:
-    name, tp = request.param
+    import specshim
+
+    name, tp, *budget = request.param
+    settings = BUDGETS[budget[0]] if budget else {}
     crash = UPSTREAM_CPU_CRASHES.get((name, vllm_minor()))
+    specshim.configure(reset=True, **settings)
     try:
         gen = make_generator(str(tiny_model_dir(name)), tp)
     except Exception as exc:
         if crash and "Current vLLM config is not set" in repr(exc) + str(exc.__cause__):
             pytest.xfail(crash)
         raise
+    finally:
+        specshim.configure(reset=True)  # read at construction; later ones get 0.3.0's
+    scheduler = gen.vllm_config.scheduler_config
+    expected = {"max_num_seqs": 32, "max_batched_tokens": 8192, **settings}
+    assert scheduler.max_num_seqs == expected["max_num_seqs"]
+    assert scheduler.max_num_batched_tokens == max(
+        expected["max_batched_tokens"], MAX_MODEL_LEN
+    )
     gen.specshim_reference_name = HF_REFERENCE.get(name, name)
     try:
         yield gen

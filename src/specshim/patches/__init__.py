@@ -39,3 +39,9 @@ def load_all() -> None:
         importlib.import_module(f"specshim.patches.main.{name}")
     for name in WORKER:
         importlib.import_module(f"specshim.patches.worker.{name}")
+
+
+# Importing any one patch file imports this package first: load the whole set
+# here, so patches register (and stack) in the order above whatever is
+# imported first.
+load_all()

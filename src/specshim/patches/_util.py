@@ -7,10 +7,19 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from specshim._registry import Incompatible
+from specshim._registry import GENERATOR, WORKER, Incompatible
 
-GENERATOR = "speculators.data_generation.vllm_hidden_states_generator"
-WORKER = "speculators.data_generation.custom_worker"
+__all__ = [
+    "GENERATOR",
+    "WORKER",
+    "adapt_kwargs",
+    "parameters",
+    "required",
+    "signature_text",
+    "upstream",
+    "wrap_call",
+    "wrap_result",
+]
 
 
 def upstream(obj: Any) -> Any:

@@ -85,10 +85,10 @@ def _save(path: Path, config: Any, model_cls: Callable[[Any], Any], seed: int) -
     return path
 
 
-def build_llama(path: Path, seed: int = 0) -> Path:
+def build_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**_COMMON, architectures=["LlamaForCausalLM"])
+    config = LlamaConfig(**{**_COMMON, **overrides}, architectures=["LlamaForCausalLM"])
     return _save(Path(path), config, LlamaForCausalLM, seed)
 
 

@@ -1,0 +1,239 @@
+"""Step budget and KV-cache knobs for speculators' generator.
+
+speculators 0.3.0 hard-codes three module constants in
+``speculators.data_generation.vllm_hidden_states_generator`` and reads them
+each time a generator is built:
+
+* ``MAX_NUM_SEQS`` (32): sequences the scheduler may put in one step;
+* ``MIN_MAX_BATCHED_TOKENS`` (8192): the step's token budget is
+  ``max(MIN_MAX_BATCHED_TOKENS, max_model_len)``;
+* ``CACHE_MEMORY_FRACTION`` (0.2): the KV cache gets this fraction of
+  ``free memory * gpu_memory_utilization``.
+
+Fine for an 8B model on one GPU; a poor fit elsewhere. ``configure()`` (or the
+``SPECSHIM_*`` environment variables, read when specshim is imported) sets them
+on speculators' module, now if it is loaded, else as it loads. A generator
+picks up the values current when it is *constructed*. Correctness does not
+depend on them: specshim keeps chunked prefill off and guards every step, so
+any budget yields the same rows.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+from specshim import _hooks
+from specshim._registry import GENERATOR, SpecShimError
+
+TYPE_CHECKING = False  # typing costs ~15 ms to import; annotations are strings
+if TYPE_CHECKING:
+    from typing import Any
+
+
+class Knob:
+    """One setting (a plain class: a dataclass costs import time)."""
+
+    __slots__ = ("constant", "env", "high", "kind", "low", "meaning", "name")
+
+    def __init__(
+        self,
+        name: str,  # configure() keyword
+        constant: str,  # speculators' module constant
+        env: str,  # environment variable
+        kind: type,
+        low: float,  # smallest allowed value
+        high: float | None,  # largest allowed value (None: unbounded)
+        meaning: str,
+    ) -> None:
+        self.name, self.constant, self.env = name, constant, env
+        self.kind, self.low, self.high, self.meaning = kind, low, high, meaning
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob(
+        "max_num_seqs",
+        "MAX_NUM_SEQS",
+        "SPECSHIM_MAX_NUM_SEQS",
+        int,
+        1,
+        None,
+        "sequences per scheduler step",
+    ),
+    Knob(
+        "max_batched_tokens",
+        "MIN_MAX_BATCHED_TOKENS",
+        "SPECSHIM_MAX_BATCHED_TOKENS",
+        int,
+        1,
+        None,
+        "tokens per scheduler step (at least max_model_len)",
+    ),
+    Knob(
+        "cache_memory_fraction",
+        "CACHE_MEMORY_FRACTION",
+        "SPECSHIM_CACHE_MEMORY_FRACTION",
+        float,
+        0.0,
+        1.0,
+        "fraction of free memory x gpu_memory_utilization given to the KV cache",
+    ),
+)
+_BY_NAME = {knob.name: knob for knob in KNOBS}
+
+# extract's step budget, chosen from `make bench` (docs/performance.md): larger
+# steps than speculators' 32 sequences / 8192 tokens, and a KV cache large enough
+# to hold them. The library default (plain `import specshim`) stays speculators'.
+STEP_DEFAULTS = {
+    "max_num_seqs": 256,
+    "max_batched_tokens": 65536,
+    "cache_memory_fraction": 0.5,
+}
+DEFAULT_BATCH_SIZE = 256
+
+
+_lock = threading.Lock()
+_chosen: dict[str, Any] = {}  # knob name -> value set by configure() or env
+_defaults: dict[str, Any] = {}  # knob name -> speculators' own value
+_sources: dict[str, str] = {}  # knob name -> "configure()" or "env VAR"
+_hooked = False
+
+
+def _validate(knob: Knob, value: Any, source: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise SpecShimError(f"{source}: {knob.name} must be a number, got {value!r}")
+    try:
+        number = knob.kind(value)
+    except ValueError:
+        kind = "an integer" if knob.kind is int else "a number"
+        raise SpecShimError(
+            f"{source}: {knob.name} must be {kind}, got {value!r}"
+        ) from None
+    if knob.kind is int and isinstance(value, float) and value != number:
+        raise SpecShimError(f"{source}: {knob.name} must be an integer, got {value!r}")
+    if number != number:  # NaN
+        raise SpecShimError(f"{source}: {knob.name} must be a number, got {value!r}")
+    too_low = number <= knob.low if knob.kind is float else number < knob.low
+    too_high = knob.high is not None and number > knob.high
+    if too_low or too_high:
+        bound = f"in (0, {knob.high}]" if knob.kind is float else f">= {int(knob.low)}"
+        raise SpecShimError(
+            f"{source}: {knob.name} must be {bound} ({knob.meaning}), got {value!r}"
+        )
+    return number
+
+
+def _push(module: Any) -> None:
+    """Write the chosen values onto speculators' module (lock held)."""
+    for knob in KNOBS:
+        if knob.name not in _defaults and hasattr(module, knob.constant):
+            _defaults[knob.name] = getattr(module, knob.constant)
+        if knob.name in _chosen:
+            setattr(module, knob.constant, _chosen[knob.name])
+        elif knob.name in _defaults:
+            setattr(module, knob.constant, _defaults[knob.name])
+
+
+def _on_import(module: Any) -> None:
+    with _lock:
+        _push(module)
+
+
+def _arm() -> None:
+    global _hooked
+    if not _hooked:
+        _hooked = True
+        # Fires at once if speculators' module is already imported.
+        _hooks.when_imported(GENERATOR, _on_import)
+    elif GENERATOR in sys.modules:
+        _on_import(sys.modules[GENERATOR])
+
+
+def configure(
+    *,
+    max_num_seqs: int | None = None,
+    max_batched_tokens: int | None = None,
+    cache_memory_fraction: float | None = None,
+    reset: bool = False,
+) -> dict[str, Any]:
+    """Set speculators' step budget and KV-cache fraction; return what is in force.
+
+    ``None`` leaves a setting as it is; ``reset=True`` first returns every
+    setting to speculators' own value. Applies to generators constructed
+    afterwards. Raises ``SpecShimError`` for a value out of range.
+    """
+    given = {
+        "max_num_seqs": max_num_seqs,
+        "max_batched_tokens": max_batched_tokens,
+        "cache_memory_fraction": cache_memory_fraction,
+    }
+    checked = {
+        name: _validate(_BY_NAME[name], value, "specshim.configure")
+        for name, value in given.items()
+        if value is not None
+    }
+    with _lock:
+        if reset:
+            _chosen.clear()
+            _sources.clear()
+        _chosen.update(checked)
+        _sources.update(dict.fromkeys(checked, "configure()"))
+    _arm()
+    return settings()
+
+
+def snapshot() -> tuple[dict[str, Any], dict[str, str]]:
+    """The settings chosen so far, for ``restore``."""
+    with _lock:
+        return dict(_chosen), dict(_sources)
+
+
+def restore(saved: tuple[dict[str, Any], dict[str, str]]) -> None:
+    """Put back what ``snapshot`` saw (extract uses this to leave no trace)."""
+    with _lock:
+        _chosen.clear()
+        _chosen.update(saved[0])
+        _sources.clear()
+        _sources.update(saved[1])
+    _arm()
+
+
+def settings() -> dict[str, Any]:
+    """Each knob: its value in force and where it came from."""
+    out: dict[str, Any] = {}
+    module = sys.modules.get(GENERATOR)
+    with _lock:
+        for knob in KNOBS:
+            if knob.name in _chosen:
+                value, source = _chosen[knob.name], _sources[knob.name]
+            elif module is not None and hasattr(module, knob.constant):
+                value, source = getattr(module, knob.constant), "speculators"
+            elif knob.name in _defaults:
+                value, source = _defaults[knob.name], "speculators"
+            else:
+                value, source = None, "speculators (not imported yet)"
+            out[knob.name] = {
+                "value": value,
+                "source": source,
+                "constant": knob.constant,
+                "env": knob.env,
+            }
+    return out
+
+
+def load_environment() -> None:
+    """Read the ``SPECSHIM_*`` knob variables (called when specshim is imported)."""
+    found = {}
+    for knob in KNOBS:
+        raw = os.environ.get(knob.env, "").strip()
+        if raw:
+            found[knob.name] = _validate(knob, raw, f"environment {knob.env}")
+    if not found:
+        return
+    with _lock:
+        for name, value in found.items():
+            if name not in _chosen:  # configure() wins over the environment
+                _chosen[name] = value
+                _sources[name] = f"env {_BY_NAME[name].env}"
+    _arm()

@@ -1,0 +1,78 @@
+"""The patch declaration and its per-process record."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Incompatible", "NotNeeded", "Patch", "PatchRecord", "State"]
+
+
+class NotNeeded(Exception):  # noqa: N818 - a probe outcome, not an error
+    """Raised by a probe: the upstream change is absent, leave the target alone."""
+
+
+class Incompatible(Exception):  # noqa: N818 - a probe outcome, turned into an error
+    """Raised by a probe: the target has a shape this patch does not know."""
+
+    def __init__(self, expected: str, found: str) -> None:
+        super().__init__(f"expected {expected}; found {found}")
+        self.expected = expected
+        self.found = found
+
+
+class State(str, enum.Enum):
+    PENDING = "pending"  # target module not imported in this process (yet)
+    APPLIED = "applied"
+    NOT_NEEDED = "not needed"
+    DISABLED = "disabled"
+    INCOMPATIBLE = "incompatible"
+    FAILED = "failed"
+
+
+Probe = Callable[[Any], None]
+Build = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One fix for one upstream change, declared next to its explanation.
+
+    ``probe(original)`` returns if the patch is needed and applicable, raises
+    ``NotNeeded`` if the upstream change is absent, or ``Incompatible`` if the
+    target looks like nothing this patch was written for. ``build(original)``
+    returns the replacement. ``replaces`` marks a full replacement: no other
+    patch may target the same attribute. Otherwise wrappers stack in order.
+    """
+
+    id: str
+    process: str  # "main" or "worker"
+    module: str
+    attribute: str
+    package: str
+    versions: str
+    probe: Probe
+    build: Build
+    why: str
+    upstream: str
+    remove_when: str
+    drift_rows: tuple[int, ...] = ()
+    optional: bool = False
+    replaces: bool = False
+    platform: str = ""  # "cpu": needed only on that vLLM platform
+
+    @property
+    def target(self) -> str:
+        return f"{self.module}:{self.attribute}"
+
+
+@dataclass
+class PatchRecord:
+    patch: Patch
+    state: State = State.PENDING
+    detail: str = ""
+    owner: Any = field(default=None, repr=False)
+    original: Any = field(default=None, repr=False)
+    had_attribute: bool = True

@@ -1,0 +1,240 @@
+"""The step-budget and KV-cache knobs, and the cheap import they sit behind."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import specshim
+from specshim import _hooks
+from specshim._registry import GENERATOR, SpecShimError
+
+
+@pytest.fixture
+def generator_module():
+    module = importlib.import_module(GENERATOR)
+    yield module
+    specshim.configure(reset=True)
+
+
+def test_configure_sets_speculators_constants_and_reset_restores(generator_module):
+    before = (
+        generator_module.MAX_NUM_SEQS,
+        generator_module.MIN_MAX_BATCHED_TOKENS,
+        generator_module.CACHE_MEMORY_FRACTION,
+    )
+    assert before == (32, 8192, 0.2)  # speculators 0.3.0's own values
+    state = specshim.configure(
+        max_num_seqs=96, max_batched_tokens=40000, cache_memory_fraction=0.5
+    )
+    assert generator_module.MAX_NUM_SEQS == 96
+    assert generator_module.MIN_MAX_BATCHED_TOKENS == 40000
+    assert generator_module.CACHE_MEMORY_FRACTION == 0.5
+    assert state["max_num_seqs"] == {
+        "value": 96,
+        "source": "configure()",
+        "constant": "MAX_NUM_SEQS",
+        "env": "SPECSHIM_MAX_NUM_SEQS",
+    }
+    # None leaves a setting alone.
+    specshim.configure(max_num_seqs=8)
+    assert generator_module.MAX_NUM_SEQS == 8
+    assert generator_module.MIN_MAX_BATCHED_TOKENS == 40000
+    specshim.configure(reset=True)
+    assert (
+        generator_module.MAX_NUM_SEQS,
+        generator_module.MIN_MAX_BATCHED_TOKENS,
+        generator_module.CACHE_MEMORY_FRACTION,
+    ) == before
+    assert specshim.settings()["max_num_seqs"]["source"] == "speculators"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
+        ({"max_num_seqs": 2.5}, "max_num_seqs must be an integer"),
+        ({"max_num_seqs": True}, "max_num_seqs must be a number"),
+        ({"max_batched_tokens": "lots"}, "max_batched_tokens must be an integer"),
+        ({"cache_memory_fraction": 0}, "cache_memory_fraction must be in (0, 1.0]"),
+        ({"cache_memory_fraction": 1.5}, "cache_memory_fraction must be in (0, 1.0]"),
+        ({"cache_memory_fraction": float("nan")}, "must be a number"),
+    ],
+)
+def test_configure_rejects_bad_values_and_changes_nothing(
+    generator_module, kwargs, needle
+):
+    with pytest.raises(SpecShimError) as info:
+        # A good value beside the bad one must not be applied either.
+        specshim.configure(**{"max_batched_tokens": 50000, **kwargs})
+    assert needle in str(info.value)
+    assert generator_module.MAX_NUM_SEQS == 32
+    assert generator_module.MIN_MAX_BATCHED_TOKENS == 8192
+    assert generator_module.CACHE_MEMORY_FRACTION == 0.2
+
+
+def _fresh_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("SPECSHIM_")}
+    full.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full
+    )
+
+
+def test_environment_applies_when_speculators_is_imported_later():
+    code = (
+        "import json, sys, specshim\n"
+        f"assert {GENERATOR!r} not in sys.modules\n"
+        f"import {GENERATOR} as g\n"
+        "specshim.configure(cache_memory_fraction=0.3)\n"
+        "print(json.dumps([g.MAX_NUM_SEQS, g.MIN_MAX_BATCHED_TOKENS,"
+        " g.CACHE_MEMORY_FRACTION,"
+        " specshim.settings()['max_num_seqs']['source']]))\n"
+    )
+    done = _fresh_python(
+        code,
+        SPECSHIM_MAX_NUM_SEQS="128",
+        SPECSHIM_MAX_BATCHED_TOKENS="32768",
+        SPECSHIM_CACHE_MEMORY_FRACTION="0.9",
+    )
+    assert done.returncode == 0, done.stderr
+    values = json.loads(done.stdout.strip().splitlines()[-1])
+    # configure() wins over the environment; the rest come from it.
+    assert values == [128, 32768, 0.3, "env SPECSHIM_MAX_NUM_SEQS"]
+
+
+def test_bad_environment_value_is_a_clear_error_at_import():
+    done = _fresh_python("import specshim", SPECSHIM_CACHE_MEMORY_FRACTION="2")
+    assert done.returncode != 0
+    assert "SPECSHIM_CACHE_MEMORY_FRACTION" in done.stderr
+    assert "cache_memory_fraction must be in (0, 1.0]" in done.stderr
+
+
+def test_import_specshim_loads_no_heavy_modules():
+    # The speed goal (< 30 ms) is checked by the benchmark; this guards the
+    # cause: none of these may load with ``import specshim``.
+    code = (
+        "import sys, json; before = set(sys.modules); import specshim\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))"
+    )
+    done = _fresh_python(code)
+    assert done.returncode == 0, done.stderr
+    loaded = set(json.loads(done.stdout.strip().splitlines()[-1]))
+    heavy = {
+        "torch",
+        "vllm",
+        "speculators",
+        "wrapt",
+        "asyncio",
+        "importlib.metadata",
+        "logging",
+        "dataclasses",
+        "typing",
+        "specshim.patches",
+    }
+    assert not heavy & loaded, sorted(heavy & loaded)
+
+
+def test_post_import_hook_fires_after_the_module_body(fake_module):
+    name = fake_module("VALUE = 1\n")
+    seen = []
+    _hooks.when_imported(name, lambda module: seen.append(module.VALUE))
+    assert seen == []
+    module = importlib.import_module(name)
+    assert seen == [1]
+    # The module keeps its real loader; a hook on a loaded module fires at once.
+    assert type(module.__loader__).__name__ == "SourceFileLoader"
+    _hooks.when_imported(name, lambda module: seen.append(module.VALUE + 1))
+    assert seen == [1, 2]
+
+
+def test_post_import_hook_does_not_fire_for_a_failed_import(fake_module):
+    name = fake_module("raise ImportError('broken on purpose')\n")
+    seen = []
+    _hooks.when_imported(name, seen.append)
+    with pytest.raises(ImportError, match="broken on purpose"):
+        importlib.import_module(name)
+    assert seen == []
+
+
+def test_extract_step_budget_precedence(generator_module, monkeypatch, tmp_path):
+    from specshim._extract import ExtractOptions, step_settings
+    from specshim._settings import STEP_DEFAULTS
+
+    options = ExtractOptions(model=tmp_path, data=tmp_path, out=tmp_path)
+    state = step_settings(options)  # no flags, no environment: extract's defaults
+    assert {k: v["value"] for k, v in state.items()} == STEP_DEFAULTS
+    assert generator_module.MAX_NUM_SEQS == STEP_DEFAULTS["max_num_seqs"]
+
+    # The environment beats extract's defaults; a flag beats the environment.
+    specshim.configure(reset=True)
+    monkeypatch.setenv("SPECSHIM_MAX_BATCHED_TOKENS", "12345")
+    specshim.configure(max_batched_tokens=12345)  # what import-time loading does
+    options.max_num_seqs = 7
+    state = step_settings(options)
+    assert state["max_num_seqs"]["value"] == 7
+    assert state["max_batched_tokens"]["value"] == 12345
+    assert (
+        state["cache_memory_fraction"]["value"]
+        == STEP_DEFAULTS["cache_memory_fraction"]
+    )
+
+    options.cache_memory_fraction = 3.0
+    with pytest.raises(SpecShimError, match=r"extract: cache_memory_fraction must"):
+        step_settings(options)
+
+
+def test_extract_flags_reach_the_options(monkeypatch):
+    from specshim import cli
+
+    seen = {}
+
+    def fake_extract(options):
+        seen["options"] = options
+        return {"written": 0, "skipped": 0, "tokens": 0, "seconds": 0.0}
+
+    monkeypatch.setattr("specshim._extract.extract", fake_extract)
+    code = cli.main(
+        [
+            "extract",
+            "--model",
+            "m",
+            "--data",
+            "d.jsonl",
+            "--out",
+            "o",
+            "--max-num-seqs",
+            "64",
+            "--max-batched-tokens",
+            "16384",
+            "--cache-memory-fraction",
+            "0.3",
+        ]
+    )
+    assert code == 0
+    options = seen["options"]
+    assert (options.max_num_seqs, options.max_batched_tokens) == (64, 16384)
+    assert options.cache_memory_fraction == 0.3
+
+
+def test_extract_leaves_the_library_settings_as_it_found_them(
+    generator_module, tmp_path
+):
+    from specshim._extract import ExtractOptions, extract
+    from specshim.testing.tiny_models import build_llama
+
+    model = build_llama(tmp_path / "model")
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    specshim.configure(max_num_seqs=12)
+    options = ExtractOptions(model=model, data=data, out=tmp_path / "out")
+    with pytest.raises(SpecShimError):  # empty dataset, after step_settings ran
+        extract(options)
+    assert generator_module.MAX_NUM_SEQS == 12
+    assert generator_module.MIN_MAX_BATCHED_TOKENS == 8192
+    assert specshim.settings()["max_num_seqs"]["source"] == "configure()"
