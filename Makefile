@@ -8,7 +8,7 @@ UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.specshim-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit test-e2e test-matrix demo doctor lint clean
+.PHONY: setup test test-unit test-e2e test-matrix bench demo doctor lint clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,13 @@ MATRIX_ARGS ?= --write-readme README.md
 test-matrix: setup
 	$(PY) matrix/run.py --versions $(VERSIONS) $(MATRIX_ARGS)
 
+# Side-by-side benchmark (specshim vs speculators 0.4.0.1 vs HF), the step-budget
+# sweep and the goals; writes benchmarks/results/ and the README's table. ~40 min.
+BENCH_ARGS ?= --write-readme README.md
+bench: setup
+	$(UV) pip install -q --python $(PY) -r requirements/bench.txt
+	$(PY) benchmarks/run.py $(BENCH_ARGS)
+
 demo: setup
 	$(VENV)/bin/specshim demo
 
@@ -45,8 +52,8 @@ doctor: setup
 	$(VENV)/bin/specshim doctor
 
 lint: setup
-	$(VENV)/bin/ruff check src tests matrix
-	$(VENV)/bin/ruff format --check src tests matrix
+	$(VENV)/bin/ruff check src tests matrix benchmarks
+	$(VENV)/bin/ruff format --check src tests matrix benchmarks
 
 clean:
-	rm -rf $(VENV) .venv-vllm* .pytest_cache matrix/results/*.log
+	rm -rf $(VENV) .venv-vllm* .venv-bench-* .pytest_cache matrix/results/*.log benchmarks/.cache
