@@ -169,6 +169,7 @@ def test_extract_step_budget_precedence(generator_module, monkeypatch, tmp_path)
     options = ExtractOptions(model=tmp_path, data=tmp_path, out=tmp_path)
     state = step_settings(options)  # no flags, no environment: extract's defaults
     assert {k: v["value"] for k, v in state.items()} == STEP_DEFAULTS
+    assert {v["source"] for v in state.values()} == {"configure()"}
     assert generator_module.MAX_NUM_SEQS == STEP_DEFAULTS["max_num_seqs"]
 
     # The environment beats extract's defaults; a flag beats the environment.

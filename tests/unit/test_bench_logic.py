@@ -1,0 +1,83 @@
+"""The benchmark's bookkeeping: how it picks extract's defaults and judges rows."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+RUN = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("specshim_bench_run", RUN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GOOD = {
+    "missing_rows": [],
+    "min_layer_mean": 0.999,
+    "tokens_under_0_95": 0,
+    "tokens": 1000,
+}
+
+
+def _point(seqs, tokens, fraction, batch, rate, agreement=GOOD, in_order=True):
+    return {
+        "max_num_seqs": seqs,
+        "max_batched_tokens": tokens,
+        "cache_memory_fraction": fraction,
+        "batch_size": batch,
+        "tokens_per_s": rate,
+        "agreement": agreement,
+        "in_order": in_order,
+    }
+
+
+def test_defaults_are_the_most_frugal_point_within_noise_of_the_fastest(bench):
+    points = [
+        _point(32, 8192, 0.2, 32, 1000),
+        _point(256, 131072, 0.5, 256, 1300),  # fastest, but the most memory
+        _point(256, 65536, 0.2, 256, 1290),  # within 3%: less KV cache
+        _point(128, 32768, 0.2, 128, 1200),  # more than 3% slower
+    ]
+    assert bench.choose_extract_defaults(points) == (256, 65536, 0.2, 256)
+
+
+def test_a_fast_point_that_disagrees_with_hf_or_reorders_rows_is_never_chosen(bench):
+    wrong = dict(GOOD, min_layer_mean=0.5)
+    points = [
+        _point(32, 8192, 0.2, 32, 1000),
+        _point(64, 16384, 0.2, 64, 5000, agreement=wrong),
+        _point(128, 32768, 0.2, 128, 5000, in_order=False),
+        _point(256, 65536, 0.2, 256, 5000, agreement=dict(GOOD, missing_rows=[3])),
+    ]
+    assert bench.choose_extract_defaults(points) == (32, 8192, 0.2, 32)
+
+
+def test_agreement_bar_is_the_e2e_bar(bench):
+    assert bench._agrees(GOOD)
+    assert not bench._agrees(dict(GOOD, min_layer_mean=0.97))
+    assert bench._agrees(dict(GOOD, tokens_under_0_95=100))
+    assert not bench._agrees(dict(GOOD, tokens_under_0_95=101))
+    assert not bench._agrees({"error": "row 3: shape (5, 256) vs (6, 256)"})
+    assert not bench._agrees(None)
+
+
+def test_extract_defaults_are_the_committed_benchmarks_choice():
+    import json
+
+    from specshim._settings import DEFAULT_BATCH_SIZE, STEP_DEFAULTS
+
+    results = RUN.parent / "results" / "bench.json"
+    seqs, tokens, fraction, batch = json.loads(results.read_text())["extract_defaults"]
+    assert STEP_DEFAULTS == {
+        "max_num_seqs": seqs,
+        "max_batched_tokens": tokens,
+        "cache_memory_fraction": fraction,
+    }, "update specshim._settings.STEP_DEFAULTS from benchmarks/results/bench.json"
+    assert DEFAULT_BATCH_SIZE == batch
