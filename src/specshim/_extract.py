@@ -53,20 +53,14 @@ class ExtractOptions:
 
 def step_settings(options: ExtractOptions) -> dict[str, Any]:
     """Apply the step budget for this run (flag > environment > STEP_DEFAULTS)."""
-    import specshim
-    from specshim._settings import KNOBS
-
     chosen = {}
-    for knob in KNOBS:
+    for knob in _settings.KNOBS:
         flag = getattr(options, knob.name)
         if flag is not None:
             chosen[knob.name] = flag
         elif not os.environ.get(knob.env, "").strip():
             chosen[knob.name] = STEP_DEFAULTS[knob.name]
-    try:
-        return specshim.configure(**chosen)
-    except SpecShimError as exc:
-        raise SpecShimError(str(exc).replace("specshim.configure", "extract")) from None
+    return _settings._configure(chosen, reset=False, caller="extract")
 
 
 def parse_layers(text: str | None) -> list[int] | None:

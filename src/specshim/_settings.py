@@ -99,7 +99,6 @@ _lock = threading.Lock()
 _chosen: dict[str, Any] = {}  # knob name -> value set by configure() or env
 _defaults: dict[str, Any] = {}  # knob name -> speculators' own value
 _sources: dict[str, str] = {}  # knob name -> "configure()" or "env VAR"
-_hooked = False
 
 
 def _validate(knob: Knob, value: Any, source: str) -> Any:
@@ -143,13 +142,15 @@ def _on_import(module: Any) -> None:
 
 
 def _arm() -> None:
-    global _hooked
-    if not _hooked:
-        _hooked = True
-        # Fires at once if speculators' module is already imported.
-        _hooks.when_imported(GENERATOR, _on_import)
-    elif GENERATOR in sys.modules:
-        _on_import(sys.modules[GENERATOR])
+    """Write the settings now if speculators' module is loaded (else the hook will)."""
+    module = sys.modules.get(GENERATOR)
+    if module is not None:
+        _on_import(module)
+
+
+# Fires when speculators' module is imported: the chosen values (or none yet)
+# are in place before any generator reads them.
+_hooks.when_imported(GENERATOR, _on_import)
 
 
 def configure(
@@ -170,8 +171,13 @@ def configure(
         "max_batched_tokens": max_batched_tokens,
         "cache_memory_fraction": cache_memory_fraction,
     }
+    return _configure(given, reset, "specshim.configure")
+
+
+def _configure(given: dict[str, Any], reset: bool, caller: str) -> dict[str, Any]:
+    """``configure`` with the caller named in errors (``extract`` uses it too)."""
     checked = {
-        name: _validate(_BY_NAME[name], value, "specshim.configure")
+        name: _validate(_BY_NAME[name], value, caller)
         for name, value in given.items()
         if value is not None
     }
@@ -211,8 +217,6 @@ def settings() -> dict[str, Any]:
                 value, source = _chosen[knob.name], _sources[knob.name]
             elif module is not None and hasattr(module, knob.constant):
                 value, source = getattr(module, knob.constant), "speculators"
-            elif knob.name in _defaults:
-                value, source = _defaults[knob.name], "speculators"
             else:
                 value, source = None, "speculators (not imported yet)"
             out[knob.name] = {
