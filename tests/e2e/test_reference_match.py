@@ -6,10 +6,17 @@ the same DeepSeek-V3 text weights), at TP=1 and TP=2."""
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
 import pytest
+
+import specshim
+from specshim.testing.worker_probes import (
+    sort_steps_by_token_count,
+    tamper_captured_rows,
+)
 
 from .checks import assert_batch_matches, mismatch
 from .conftest import LAYERS, MAX_MODEL_LEN
@@ -96,3 +103,37 @@ def test_checks_reject_a_one_row_shift(generator, hf_reference, tiny_model_dir):
         for k, h in enumerate(results[1]["hidden_states"])
     ]
     assert mismatch(shifted, expected) is not None
+
+
+def test_rows_laid_out_by_token_count_come_back_in_input_order(
+    generator, hf_reference, tiny_model_dir, caplog
+):
+    """vLLM's V2 GPU runner sorts a step's requests by token count before the
+    forward. Here the live V1 runner does the same in every worker (a test-only
+    change), so rows leave the forward out of input order; the guard must put
+    them back from their provenance alone."""
+    rng = random.Random(8)
+    batch = _seqs(rng, 9, 1, 120)
+    assert sorted(batch, key=len, reverse=True) != batch
+    generator.executor.collective_rpc(sort_steps_by_token_count)
+    try:
+        with caplog.at_level(logging.WARNING, logger="specshim"):
+            _run(generator, hf_reference, tiny_model_dir, batch)
+    finally:
+        generator.executor.collective_rpc(sort_steps_by_token_count, args=(False,))
+    # The rows really came back reordered: the guard had to re-slice them.
+    assert "out of input order" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["drop", "duplicate"])
+def test_rows_dropped_or_repeated_in_the_worker_are_refused(generator, mode):
+    batch = _seqs(random.Random(9), 4, 5, 40)
+    generator.executor.collective_rpc(tamper_captured_rows, args=(mode,))
+    try:
+        with pytest.raises(specshim.SpecShimError, match="no provable rows"):
+            generator.generate(batch)
+    finally:
+        generator.executor.collective_rpc(tamper_captured_rows, args=(None,))
+    # The generator is still usable, and right, afterwards.
+    again = generator.generate(batch)
+    assert [len(r["hidden_states"][0]) for r in again] == list(map(len, batch))

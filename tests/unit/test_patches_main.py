@@ -320,48 +320,72 @@ def test_generate_input_tensor_and_long_sequences_warn(caplog):
     assert "3 of 3 sequences are longer" in caplog.text
 
 
-def _results(lengths, rows):
-    out, offset = [], 0
-    for n in lengths:
-        out.append(
-            {"input_ids": torch.zeros(n), "hidden_states": [rows[offset : offset + n]]}
-        )
-        offset += n
-    return out
+def _record(runs, rows=None):
+    """A worker record: ``runs`` is a list of (token ids, first position)."""
+    ids = [t for r, _ in runs for t in r]
+    positions = [p + i for r, p in runs for i in range(len(r))]
+    return {
+        "token_ids": torch.tensor(ids, dtype=torch.long),
+        "positions": torch.tensor(positions, dtype=torch.long),
+        "rows": rows if rows is not None else [len(ids)],
+        "problems": [],
+    }
 
 
-def test_realign_reslices_rows_that_came_back_in_another_order():
-    rows = torch.arange(6.0).unsqueeze(1)  # rows 0-1 belong to req 1, rows 2-5 to req 0
-    results = _results([4, 2], rows)  # speculators' positional slicing
-    fixed = generate_guard.realign(results, [("req_3_1", 2), ("req_3_0", 4)], counter=3)
-    assert fixed[0]["hidden_states"][0].flatten().tolist() == [2, 3, 4, 5]
-    assert fixed[1]["hidden_states"][0].flatten().tolist() == [0, 1]
+def test_prove_rows_finds_each_sequence_whatever_the_order():
+    batch = [[1, 2, 3], [1, 2], [9], [1, 2]]  # shared prefix, duplicates
+    record = _record([([9], 0), ([1, 2], 0), ([1, 2, 3], 0), ([1, 2], 0)])
+    begin = generate_guard.prove_rows(batch, record)
+    assert begin == [3, 1, 0, 6]
 
 
-def test_realign_accepts_input_order_and_ignores_other_calls():
-    results = _results([2, 1], torch.arange(3.0).unsqueeze(1))
-    layout = [("req_2_0", 9), ("req_3_0", 2), ("req_3_1", 1)]
-    assert generate_guard.realign(results, layout, counter=3) is results
+def test_reorder_keeps_input_order_untouched():
+    batch = [[1, 2], [3]]
+    results = [
+        {"input_ids": torch.tensor(ids), "hidden_states": [torch.zeros(len(ids), 1)]}
+        for ids in batch
+    ]
+    assert generate_guard.reorder(results, batch, [0, 2]) is results
 
 
 @pytest.mark.parametrize(
-    "layout",
+    ("runs", "rows", "message"),
     [
-        [("req_0_0", 2)],  # second request never computed (did not fit the cache)
-        [("req_0_0", 2), ("req_0_1", 1)],  # partial prefill
-        [("req_0_0", 1), ("req_0_0", 1), ("req_0_1", 2)],  # chunked across steps
+        # second request never computed (did not fit the cache)
+        ([([1, 2], 0)], None, "no rows computed for sequence"),
+        # partial prefill: the second request's first step only
+        ([([1, 2], 0), ([3], 0)], None, r"no rows computed for sequence\(s\) 1"),
+        # chunked across steps: the rest starts at position 1
+        ([([1, 2], 0), ([3], 0), ([4], 1)], [3, 1], "position 1"),
+        # a prefix-cache hit: rows start at position 1
+        ([([1, 2], 0), ([4], 1)], None, "position 1"),
+        # padding rows and a duplicated request
+        ([([1, 2], 0), ([3, 4], 0), ([0, 0], 0)], None, "belong to no input"),
+        ([([1, 2], 0), ([1, 2], 0), ([3, 4], 0)], None, "belong to no input"),
+        # the same tokens at shifted rows inside one run
+        ([([1, 2, 3, 4], 0)], None, "no rows computed"),
     ],
 )
-def test_realign_refuses_incomplete_rows(layout):
-    results = _results([2, 2], torch.zeros(4, 1))
-    with pytest.raises(SpecShimError, match="do not line up"):
-        generate_guard.realign(results, layout, counter=0)
+def test_prove_rows_refuses_what_it_cannot_prove(runs, rows, message):
+    with pytest.raises(SpecShimError, match=message):
+        generate_guard.prove_rows([[1, 2], [3, 4]], _record(runs, rows))
 
 
-def test_shape_check_without_layout():
-    results = _results([2, 2], torch.zeros(3, 1))
-    with pytest.raises(SpecShimError, match="sequence 1 has 2 tokens but 1"):
-        generate_guard.check_shapes(results)
+def test_prove_rows_refuses_forwards_recorded_as_unprovable():
+    record = _record([([1, 2], 0)])
+    record["problems"] = ["2 rows captured for 3 embedded tokens"]
+    with pytest.raises(SpecShimError, match="2 rows captured for 3"):
+        generate_guard.prove_rows([[1, 2]], record)
+
+
+def test_reorder_checks_shapes_before_reslicing():
+    batch = [[1, 2], [3, 4]]
+    results = [
+        {"input_ids": torch.tensor(ids), "hidden_states": [torch.zeros(1, 1)]}
+        for ids in batch
+    ]
+    with pytest.raises(SpecShimError, match="sequence 0 has 2 tokens but 1 rows"):
+        generate_guard.reorder(results, batch, [2, 0])
 
 
 class ModelConfigFake:

@@ -11,12 +11,14 @@ import pytest
 import torch
 from torch import nn
 
+from specshim import SpecShimError
 from specshim.patches import _util
+from specshim.patches.main import generate_guard
 from specshim.patches.worker import (
     capture_hooks,
-    captured_layout_rpc,
     eagle3_gate,
-    row_layout,
+    row_provenance,
+    row_provenance_rpc,
 )
 
 
@@ -39,14 +41,14 @@ class Layer(nn.Module):
 class Stack(nn.Module):
     def __init__(self, n: int = 4, scaling: bool = True) -> None:
         super().__init__()
-        self.embed = nn.Embedding(16, 8)
+        self.embed_tokens = nn.Embedding(16, 8)
         self.layers = nn.ModuleList(Layer(i) for i in range(n))
         self.norm = nn.LayerNorm(8)
         self.start_layer, self.end_layer = 0, n
         self.scaling = scaling
 
     def forward(self, input_ids, positions):
-        hidden, residual = self.embed(input_ids), None
+        hidden, residual = self.embed_tokens(input_ids), None
         scale = (1 + 0.1 * positions.float()).unsqueeze(-1) if self.scaling else None
         for layer in self.layers[self.start_layer : self.end_layer]:
             hidden, residual = layer(positions, hidden, residual, scale)
@@ -54,7 +56,7 @@ class Stack(nn.Module):
 
     def expected(self, input_ids, positions, index):
         """What capture must equal: hidden + residual after layer ``index``."""
-        hidden, residual = self.embed(input_ids), None
+        hidden, residual = self.embed_tokens(input_ids), None
         scale = (1 + 0.1 * positions.float()).unsqueeze(-1) if self.scaling else None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, scale)
@@ -93,6 +95,9 @@ class Extension:
 
     def _store_captured_states(self, states):
         self.stored.append(states)
+
+    def _reset_capture(self):
+        self.stored = []
 
     def _execute(self, scheduler_output, intermediate_tensors=None):
         self.model_runner.input_batch.req_ids = list(scheduler_output.order)
@@ -154,25 +159,129 @@ def test_only_tp_rank_zero_captures(worker_module, monkeypatch):
     assert ext.stored == []
 
 
-def test_layout_is_recorded_per_step_in_batch_order(worker_module):
+class V2ShapedRunner:
+    """A model runner shaped like vLLM's V2 GPU runner: no ``input_batch``; it
+    sorts a step's requests by token count (longest first) before the forward.
+    ``pad`` adds rows of token 0 at position 0; ``drop`` leaves the last
+    request out; ``twice`` lays the first request out twice."""
+
+    def __init__(self, stack, pad=0, drop=False, twice=False):
+        self.stack, self.pad, self.drop, self.twice = stack, pad, drop, twice
+
+    def execute(self, requests):
+        order = sorted(requests, key=len, reverse=True)
+        if self.drop:
+            order = order[:-1]
+        if self.twice:
+            order = [order[0], *order]
+        ids = [t for r in order for t in r] + [0] * self.pad
+        positions = [p for r in order for p in range(len(r))] + [0] * self.pad
+        with torch.no_grad():
+            self.stack(torch.tensor(ids), torch.tensor(positions))
+
+
+def _v2_generate(batch, steps=1, **runner):
+    """speculators' generate() in miniature on the V2-shaped runner: capture,
+    slice positionally, then the guard with the workers' provenance."""
+    stack = Stack(scaling=False)
+    ext = Extension(CausalLM(stack))
+    setup = row_provenance.PATCH.build(capture_hooks.setup_hidden_states_capture)
+    setup(ext, [1, 3])
+    ext._reset_capture()
+    v2 = V2ShapedRunner(stack, **runner)
+    size = -(-len(batch) // steps)
+    for start in range(0, len(batch), size):
+        v2.execute(batch[start : start + size])
+    captured = [torch.cat([s[k] for s in ext.stored]) for k in range(2)]
+    results, offset = [], 0
+    for ids in batch:  # speculators' positional slicing
+        n = len(ids)
+        results.append(
+            {
+                "input_ids": torch.tensor(ids),
+                "hidden_states": [h[offset : offset + n] for h in captured],
+            }
+        )
+        offset += n
+    record = row_provenance_rpc.row_provenance(ext)
+    begin = generate_guard.prove_rows(batch, record)
+    return stack, generate_guard.reorder(results, batch, begin)
+
+
+BATCH = [[1, 2, 3], [4, 5, 6, 7, 8], [1, 2, 3], [1, 2, 3, 9], [7], [3, 2]]
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_v2_shaped_runner_rows_come_back_in_input_order(worker_module, steps):
+    stack, results = _v2_generate(BATCH, steps=steps)
+    for ids, result in zip(BATCH, results, strict=True):
+        ids_t = torch.tensor(ids)
+        for slot, layer in enumerate([1, 3]):
+            want = stack.expected(ids_t, torch.arange(len(ids)), layer)
+            assert torch.allclose(result["hidden_states"][slot], want, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("runner", "message"),
+    [
+        ({"pad": 2}, "belong to no input sequence"),
+        ({"drop": True}, "no rows computed for sequence"),
+        ({"twice": True}, "belong to no input sequence"),
+    ],
+)
+def test_v2_shaped_runner_that_pads_drops_or_repeats_is_refused(
+    worker_module, runner, message
+):
+    with pytest.raises(SpecShimError, match=message):
+        _v2_generate(BATCH, **runner)
+
+
+def test_provenance_is_fetched_once_and_cleared_by_reset(worker_module):
     stack = Stack()
     ext = Extension(CausalLM(stack))
-    ext.model_runner.model_forward = lambda ids: None
-    setup = row_layout.PATCH.build(capture_hooks.setup_hidden_states_capture)
+    setup = row_provenance.PATCH.build(capture_hooks.setup_hidden_states_capture)
     setup(ext, [1])
-    setup(ext, [1])  # set up twice: the runner is still wrapped once
-    step = SimpleNamespace(
-        order=["req_0_1", "req_0_0"],
-        input_ids=None,
-        num_scheduled_tokens={"req_0_0": 3, "req_0_1": 2},
-    )
-    ext.model_runner.execute_model(step)
-    assert captured_layout_rpc.captured_layout(ext) == [("req_0_1", 2), ("req_0_0", 3)]
-    assert captured_layout_rpc.captured_layout(ext) == []  # fetched once
+    setup(ext, [1])  # set up twice: one record, hooks installed once
+    with torch.no_grad():
+        stack(torch.tensor([5, 6, 7]), torch.arange(3))
+    record = row_provenance_rpc.row_provenance(ext)
+    assert record["token_ids"].tolist() == [5, 6, 7]
+    assert record["positions"].tolist() == [0, 1, 2] and record["rows"] == [3]
+    assert row_provenance_rpc.row_provenance(ext)["rows"] == []  # fetched once
+    with torch.no_grad():
+        stack(torch.tensor([5]), torch.arange(1))
+    ext._reset_capture()
+    assert row_provenance_rpc.row_provenance(ext)["rows"] == []
 
 
-def test_layout_rpc_says_when_recording_is_not_armed():
-    assert captured_layout_rpc.captured_layout(SimpleNamespace()) is None
+def test_rows_that_are_not_the_embeddings_are_unprovable(worker_module):
+    """A forward whose first layer does not see the embedded rows (padding, or
+    a runner that passes other ``inputs_embeds``) is recorded as unprovable."""
+    stack = Stack()
+    ext = Extension(CausalLM(stack))
+    row_provenance.PATCH.build(capture_hooks.setup_hidden_states_capture)(ext, [1])
+    stack.embed_tokens(torch.tensor([1, 2]))  # an embedding the forward never uses
+    with torch.no_grad():
+        hidden = torch.zeros(2, 8)
+        for layer in stack.layers:
+            hidden, residual = layer(torch.arange(2), hidden, None, None)
+    record = row_provenance_rpc.row_provenance(ext)
+    assert record["problems"] and "not the embeddings" in record["problems"][0]
+    with pytest.raises(SpecShimError, match="no provable rows"):
+        generate_guard.prove_rows([[1, 2]], record)
+
+
+def test_provenance_rpc_says_when_recording_is_not_armed():
+    assert row_provenance_rpc.row_provenance(SimpleNamespace()) is None
+
+
+def test_model_whose_tokens_the_hooks_cannot_see_is_refused(worker_module):
+    stack = Stack()
+    del stack.embed_tokens
+    ext = Extension(CausalLM(stack))
+    setup = row_provenance.PATCH.build(capture_hooks.setup_hidden_states_capture)
+    with pytest.raises(ValueError, match="cannot see which tokens"):
+        setup(ext, [1])
 
 
 def test_model_without_stack_is_refused(worker_module):

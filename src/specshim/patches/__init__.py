@@ -28,8 +28,8 @@ MAIN = (
 WORKER = (
     "eagle3_gate",
     "capture_hooks",
-    "row_layout",
-    "captured_layout_rpc",
+    "row_provenance",
+    "row_provenance_rpc",
 )
 
 

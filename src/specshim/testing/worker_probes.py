@@ -17,3 +17,67 @@ def tower_parameter_count(worker: Any) -> int:
         for name, param in model.named_parameters()
         if name.split(".", 1)[0] in names
     )
+
+
+def sort_steps_by_token_count(worker: Any, on: bool = True) -> None:
+    """Lay out every step's requests longest first, as vLLM's V2 GPU runner does.
+
+    A test-only change to a live V1 runner (the V2 runner cannot run on the
+    CPU backend): after the runner's own reordering, the persistent batch is
+    sorted by scheduled tokens, so the forward computes the requests in
+    another order than the scheduler's and speculators' input order.
+    ``on=False`` puts the runner back.
+    """
+    runner = worker.model_runner
+    original = getattr(runner, "_specshim_test_unsorted", None)
+    if not on:
+        if original is not None:
+            runner._may_reorder_batch = original
+            del runner._specshim_test_unsorted
+        return
+    if original is not None:
+        return
+    reorder = runner._may_reorder_batch
+
+    def may_reorder_batch(scheduler_output: Any) -> None:
+        reorder(scheduler_output)
+        batch = runner.input_batch
+        counts = scheduler_output.num_scheduled_tokens
+        for i in range(batch.num_reqs):
+            ids = batch.req_ids
+            longest = max(range(i, batch.num_reqs), key=lambda j: counts[ids[j]])
+            if counts[ids[longest]] > counts[ids[i]]:
+                batch.swap_states(i, longest)
+
+    runner._specshim_test_unsorted = reorder
+    runner._may_reorder_batch = may_reorder_batch
+
+
+def tamper_captured_rows(worker: Any, mode: str | None) -> None:
+    """Drop (``"drop"``) or repeat (``"duplicate"``) the last captured row of
+    every forward before specshim records it; ``None`` stops tampering.
+
+    Stands in for a runner that pads, trims or repeats rows inside the worker.
+    """
+    # collective_rpc hands functions vLLM's WorkerWrapperBase, which forwards
+    # reads (not writes) to the worker that speculators' extension is part of.
+    worker = vars(worker).get("worker", worker)
+    original = getattr(worker, "_specshim_test_untampered", None)
+    if mode is None:
+        if original is not None:
+            worker._store_captured_states = original
+            del worker._specshim_test_untampered
+        return
+    store = original or worker._store_captured_states
+
+    def store_captured_states(states: Any) -> Any:
+        import torch
+
+        if mode == "drop":
+            states = [h[:-1] for h in states]
+        else:
+            states = [torch.cat([h, h[-1:]]) for h in states]
+        return store(states)
+
+    worker._specshim_test_untampered = store
+    worker._store_captured_states = store_captured_states

@@ -11,13 +11,18 @@ Why:
       a worker: an empty batch or sequence, token ids outside
       ``[0, vocab_size)``; it warns (with a count) about sequences that
       speculators will silently truncate to ``max_model_len - 1`` tokens;
-    * after the call, checks every sequence against the layout the workers
-      recorded (which request's tokens sit in which captured rows, see the
-      worker patch ``captured-layout-rpc``): every request computed whole,
-      exactly once. If the rows are complete but in another order it re-slices
-      them by request; if anything is missing it raises ``SpecShimError``
-      instead of returning misaligned training data, and clears the scheduler
-      so the generator stays usable.
+    * after the call, proves every returned row from what the workers
+      recorded it was computed from (worker patch ``row-provenance``: the token
+      id and position of every captured row, taken from the forward pass, not
+      from the runner's bookkeeping): sequence i must own exactly one run of
+      ``len(ids_i)`` rows computed from ``ids_i`` at positions 0..n-1, and
+      every captured row must belong to one sequence. Rows that came back in
+      another order (the scheduler over the token budget, the V2 runner's
+      sort by token count) are returned in input order; a missing,
+      duplicated, padded or unprovable row raises ``SpecShimError`` instead of
+      returning misaligned training data, and the scheduler is cleared so the
+      generator stays usable. Identical duplicate prompts may swap rows: they
+      were computed from the same tokens, so their states are the same.
 Upstream change:
     None by itself: it guards against the silent failure modes of every vLLM
     from 0.11 (requests over the token budget scheduled out of input order),
@@ -73,70 +78,153 @@ def check_inputs(token_ids: Any, vocab_size: int, max_model_len: int) -> None:
         )
 
 
-def check_shapes(results: list[dict[str, Any]]) -> None:
-    """Without a worker layout: at least every sequence must have all its rows."""
-    for index, result in enumerate(results):
-        n = len(result["input_ids"])
-        for layer, states in enumerate(result["hidden_states"]):
-            if states.shape[0] != n:
-                raise SpecShimError(
-                    f"sequence {index} has {n} tokens but {states.shape[0]} captured "
-                    f"rows for its layer #{layer}: the rows are misaligned"
-                )
+def _segments(positions: Any, rows: list[int]) -> tuple[Any, Any]:
+    """Split the captured rows into runs, one per request and forward.
 
-
-def realign(
-    results: list[dict[str, Any]], layout: list[tuple[str, int]], counter: int
-) -> list[dict[str, Any]]:
-    """Check ``results`` against the worker's row layout; re-slice if reordered.
-
-    ``layout`` lists (request id, rows) in the order the rows were captured.
+    A run starts at position 0 or where a forward starts, and its positions
+    must count 0, 1, 2, ... : a run that starts elsewhere is a partial or
+    cached prefill (rows of a request whose earlier rows are not in this
+    capture) or padding, and cannot be proven. Returns (starts, ends).
     """
     import torch
 
-    expected = {
-        f"req_{counter}_{i}": len(r["input_ids"]) for i, r in enumerate(results)
-    }
-    mine = [(rid, n) for rid, n in layout if rid in expected]
-    seen: dict[str, int] = {}
-    for rid, n in mine:
-        seen[rid] = seen.get(rid, 0) + n
-    problems = [
-        f"{rid}: {seen.get(rid, 0)} of {n} tokens computed"
-        for rid, n in expected.items()
-        if seen.get(rid, 0) != n
-    ]
-    repeated = len(mine) != len(seen)
-    if problems or repeated:
-        detail = "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else "")
-        if repeated:
-            detail += " (some request was computed in more than one step)"
+    total = positions.numel()
+    boundary = positions == 0
+    forward_starts = torch.tensor([0, *rows[:-1]], dtype=torch.long).cumsum(0)
+    boundary[forward_starts[forward_starts < total]] = True
+    starts = boundary.nonzero().flatten()
+    ends = torch.cat([starts[1:], torch.tensor([total])])
+    run = boundary.long().cumsum(0) - 1
+    expected = torch.arange(total) - starts[run]
+    wrong = (positions != expected).nonzero().flatten()
+    if wrong.numel():
+        row = int(wrong[0])
         raise SpecShimError(
-            "hidden states do not line up with the input sequences: " + detail + ". "
-            "Returning them would misalign training data. Typical causes: a "
-            "sequence needs more KV-cache blocks than exist (raise "
-            "gpu_memory_utilization or VLLM_CPU_KVCACHE_SPACE), or a disabled "
-            "specshim guard (chunked-prefill-off, prefix-caching-off)."
+            f"{wrong.numel()} captured rows cannot be proven: row {row} was computed "
+            f"at position {int(positions[row])} where its run of rows needs position "
+            f"{int(expected[row])} (a partial or cached prefill, or padding). "
+            + _CAUSES
         )
-    order = [rid for rid, _ in mine]
-    if order == list(expected):
+    return starts, ends
+
+
+def prove_rows(sequences: list[Any], record: dict[str, Any]) -> list[int]:
+    """Where each sequence's rows are in the capture, proven from provenance.
+
+    ``record`` is what the workers recorded (``row-provenance``): the token id
+    and position each captured row was computed from, and the rows of each
+    forward. Sequence i must own a run of exactly ``len(ids_i)`` rows computed
+    at positions 0..n-1 from exactly the tokens ``ids_i``, and every captured
+    row must belong to exactly one sequence. Identical duplicate prompts may
+    take each other's rows: they were computed from the same tokens at the same
+    positions, so their states are the same. A shared prefix is no ambiguity:
+    a run is matched by its whole content and length.
+
+    Returns the first captured row of each sequence; raises ``SpecShimError``
+    naming what is missing, duplicated or unprovable.
+    """
+    from collections import defaultdict, deque
+
+    problems = record.get("problems") or []
+    if problems:
+        raise SpecShimError(
+            f"{len(problems)} captured forward(s) have no provable rows: "
+            f"{problems[0]}. " + _CAUSES
+        )
+    token_ids, positions = record["token_ids"], record["positions"]
+    rows = [int(n) for n in record["rows"]]
+    if not (token_ids.numel() == positions.numel() == sum(rows)):
+        raise SpecShimError(
+            f"the workers recorded {token_ids.numel()} token ids and "
+            f"{positions.numel()} positions for {sum(rows)} captured rows"
+        )
+    owners: dict[bytes, deque[int]] = defaultdict(deque)
+    for index, ids in enumerate(sequences):
+        owners[_key(ids)].append(index)
+    begin: list[int | None] = [None] * len(sequences)
+    strays = 0
+    if token_ids.numel():
+        starts, ends = _segments(positions, rows)
+        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+            waiting = owners.get(_key(token_ids[s:e]))
+            if waiting:
+                begin[waiting.popleft()] = s
+            else:
+                strays += 1
+    missing = [i for i, b in enumerate(begin) if b is None]
+    if missing or strays:
+        detail = []
+        if missing:
+            shown = ", ".join(str(i) for i in missing[:8])
+            more = " ..." if len(missing) > 8 else ""
+            detail.append(
+                f"no rows computed for sequence(s) {shown}{more} "
+                f"({len(missing)} of {len(sequences)})"
+            )
+        if strays:
+            detail.append(
+                f"{strays} run(s) of captured rows belong to no input sequence "
+                "(duplicated, padded or foreign rows)"
+            )
+        raise SpecShimError(
+            "hidden states do not line up with the input sequences: "
+            + "; ".join(detail)
+            + ". Returning them would misalign training data. "
+            + _CAUSES
+        )
+    return [int(b) for b in begin if b is not None]
+
+
+def _key(ids: Any) -> bytes:
+    import torch
+
+    return torch.as_tensor(ids, dtype=torch.long).numpy().tobytes()
+
+
+def reorder(
+    results: list[dict[str, Any]], sequences: list[Any], begin: list[int]
+) -> list[dict[str, Any]]:
+    """Give each result the rows ``prove_rows`` found for it.
+
+    speculators sliced the capture positionally; with every row proven and
+    owned once, the concatenation of its slices is the whole capture.
+    """
+    import torch
+
+    for index, (result, ids) in enumerate(zip(results, sequences, strict=True)):
+        if not torch.equal(result["input_ids"], torch.as_tensor(ids, dtype=torch.long)):
+            raise SpecShimError(
+                f"speculators returned other input_ids for sequence {index} than it "
+                "was given"
+            )
+        for layer, states in enumerate(result["hidden_states"]):
+            if states.shape[0] != len(ids):
+                raise SpecShimError(
+                    f"sequence {index} has {len(ids)} tokens but {states.shape[0]} "
+                    f"rows for its layer #{layer}"
+                )
+    offsets = [0]
+    for ids in sequences[:-1]:
+        offsets.append(offsets[-1] + len(ids))
+    if begin == offsets:
         return results
     logger.warning("specshim: captured rows were out of input order; re-sliced them")
     num_layers = len(results[0]["hidden_states"])
     stacked = [
         torch.cat([r["hidden_states"][k] for r in results]) for k in range(num_layers)
     ]
-    start: dict[str, int] = {}
-    offset = 0
-    for rid, n in mine:
-        start[rid] = offset
-        offset += n
-    for i, result in enumerate(results):
-        rid = f"req_{counter}_{i}"
-        n = expected[rid]
-        begin = start[rid]
-        result["hidden_states"] = [h[begin : begin + n].clone() for h in stacked]
+    for result, start, ids in zip(results, begin, sequences, strict=True):
+        n = len(ids)
+        result["hidden_states"] = [h[start : start + n].clone() for h in stacked]
     return results
+
+
+_CAUSES = (
+    "Typical causes: a sequence needs more KV-cache blocks than exist (raise "
+    "gpu_memory_utilization or VLLM_CPU_KVCACHE_SPACE), a disabled specshim "
+    "guard (chunked-prefill-off, prefix-caching-off), or a vLLM runner that pads "
+    "or splits a step."
+)
 
 
 def _abort_leftovers(generator: Any) -> int:
@@ -147,6 +235,13 @@ def _abort_leftovers(generator: Any) -> int:
     if leftover:
         scheduler.finish_requests(leftover, RequestStatus.FINISHED_ABORTED)
     return len(leftover)
+
+
+def _sequences(token_ids: Any, max_model_len: int) -> list[Any]:
+    """The sequences as speculators sends them: cut to ``max_model_len - 1``."""
+    rows = token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids
+    cut = max_model_len - 1
+    return [(r.tolist() if hasattr(r, "tolist") else list(r))[:cut] for r in rows]
 
 
 def _build(original: Any) -> Any:
@@ -163,7 +258,6 @@ def _build(original: Any) -> Any:
                 self.vllm_config
             )
         request_args.set_block_hasher(self._specshim_block_hasher)
-        counter = self._request_counter
         try:
             results = original(self, token_ids)
         except Exception:
@@ -172,15 +266,25 @@ def _build(original: Any) -> Any:
         finally:
             request_args.set_block_hasher(None)
         stuck = _abort_leftovers(self)
-        layout = self.executor.collective_rpc(
-            "_specshim_captured_layout", unique_reply_rank=0
-        )[0]
+        try:
+            record = self.executor.collective_rpc(
+                "_specshim_row_provenance", unique_reply_rank=0
+            )[0]
+        except Exception as exc:
+            raise SpecShimError(
+                "could not fetch the row provenance from the workers "
+                f"({exc!r}); is the row-provenance-rpc patch disabled there?"
+            ) from exc
         if stuck:
             logger.error("specshim: %d request(s) were never scheduled", stuck)
-        if layout is None:
-            check_shapes(results)
-            return results
-        return realign(results, [tuple(x) for x in layout], counter)
+        if record is None:
+            raise SpecShimError(
+                "the workers recorded no row provenance, so no returned row can be "
+                "proven: the row-provenance patch is not applied in the workers "
+                "(check SPECSHIM_DISABLE and VLLM_PLUGINS; `specshim doctor`)"
+            )
+        sequences = _sequences(token_ids, model_config.max_model_len)
+        return reorder(results, sequences, prove_rows(sequences, record))
 
     generate.__specshim__ = True  # type: ignore[attr-defined]
     return generate

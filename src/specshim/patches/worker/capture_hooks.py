@@ -26,7 +26,7 @@ Why:
     layers (scaling, extra kwargs) is honoured by construction. As in
     speculators, only tensor-parallel rank 0 captures. It replaces the setup
     outright, so it comes first among the patches on that method
-    (``row-layout`` wraps it).
+    (``row-provenance`` wraps it).
 Upstream change:
     vLLM 0.12 (``embed_input_ids``, DeepSeek layer signature), 0.15 (Llama
     ``extra_layer_kwargs``, Kimi-K2.5 wrapper), 0.16 nightly (required

@@ -1,0 +1,51 @@
+"""An RPC that hands the main process the provenance of the captured rows.
+
+Why:
+    ``row-provenance`` records, in each worker, the token id and position
+    every captured row was computed from. This adds
+    ``HiddenStatesWorkerExtension._specshim_row_provenance()`` so that
+    ``generate-guard`` can fetch (and clear) that record after each
+    ``generate()`` and prove every returned row from it.
+Upstream change:
+    None: part of specshim's alignment guard.
+Remove when:
+    ``generate-guard`` is removed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specshim._registry import Incompatible, Patch, register
+from specshim.patches._util import WORKER
+
+
+def row_provenance(self: Any) -> dict[str, Any] | None:
+    """The provenance recorded since the last call (see ``Provenance.take``);
+    None where nothing records it (``row-provenance`` not applied, or a TP rank
+    other than 0)."""
+    record = getattr(self, "_specshim_provenance", None)
+    return None if record is None else record.take()
+
+
+def _probe(original: Any) -> None:
+    if original is not None:
+        raise Incompatible("no attribute _specshim_row_provenance", repr(original))
+
+
+PATCH = register(
+    Patch(
+        id="row-provenance-rpc",
+        process="worker",
+        module=WORKER,
+        attribute="HiddenStatesWorkerExtension._specshim_row_provenance",
+        package="vllm",
+        versions=">=0.11",
+        probe=_probe,
+        build=lambda original: row_provenance,
+        why=__doc__ or "",
+        upstream="none: part of the alignment guard",
+        remove_when="generate-guard is removed",
+        replaces=True,
+    )
+)
