@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specshim._registry import SpecShimError
+from specshim._errors import UsageError
+from specshim._settings import trust_remote_code
+from specshim._store import record_digest
 
 logger = logging.getLogger(__name__)
 
@@ -36,38 +38,71 @@ def parse_shard(text: str | None) -> tuple[int, int]:
         left, right = text.split("/")
         index, count = int(left), int(right)
     except ValueError:
-        raise SpecShimError(
+        raise UsageError(
             f"--shard {text!r} is not of the form I/N (for example 0/4)"
         ) from None
     if count < 1 or not 0 <= index < count:
-        raise SpecShimError(f"--shard {text!r}: need 0 <= I < N and N >= 1")
+        raise UsageError(f"--shard {text!r}: need 0 <= I < N and N >= 1")
     return index, count
 
 
-def read_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, record) for every non-blank line; malformed lines raise."""
+@dataclass
+class Record:
+    """One dataset line: where it is, what it says, and its fingerprint."""
+
+    index: int  # position in the dataset: sample i is written to data_{i}.pt
+    number: int  # line number in the file
+    data: dict[str, Any]
+    digest: str
+
+
+def read_records(
+    path: Path, shard: tuple[int, int] = (0, 1)
+) -> tuple[list[Record], int]:
+    """This shard's records and the dataset's size; malformed lines raise.
+
+    Every line is checked, whichever shard it belongs to, so that all shards
+    agree on what sample i is. A UTF-8 byte-order mark is accepted.
+    """
     if not path.is_file():
-        raise SpecShimError(f"--data {path}: no such file")
+        raise UsageError(f"--data {path}: no such file")
+    shard_index, shard_count = shard
     records = []
-    with path.open(encoding="utf-8") as handle:
+    position = 0
+    try:
+        handle = path.open("rb")
+    except OSError as exc:
+        raise UsageError(f"--data {path}: cannot read it ({exc.strerror})") from None
+    with handle:
         for number, raw in enumerate(handle, start=1):
-            if not raw.strip():
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UsageError(
+                    f"{path}:{number}: not UTF-8 text (byte {exc.start + 1} of the "
+                    "line); convert the file to UTF-8"
+                ) from None
+            if not line.strip():
                 continue
             try:
-                record = json.loads(raw)
+                record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise SpecShimError(
+                raise UsageError(
                     f"{path}:{number}: not valid JSON ({exc.msg})"
                 ) from None
             if not isinstance(record, dict) or not any(k in record for k in KINDS):
-                raise SpecShimError(
+                raise UsageError(
                     f"{path}:{number}: expected an object with one of "
                     + ", ".join(KINDS)
                 )
-            records.append((number, record))
-    if not records:
-        raise SpecShimError(f"--data {path}: the dataset is empty (no JSON lines)")
-    return records
+            if position % shard_count == shard_index:
+                records.append(Record(position, number, record, record_digest(record)))
+            position += 1
+    if not position:
+        raise UsageError(f"--data {path}: the dataset is empty (no JSON lines)")
+    return records, position
 
 
 class Tokenizing:
@@ -84,7 +119,7 @@ class Tokenizing:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(
-                str(self.model), trust_remote_code=True
+                str(self.model), trust_remote_code=trust_remote_code()
             )
         return self._tokenizer
 
@@ -94,11 +129,11 @@ class Tokenizing:
             if not isinstance(ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in ids
             ):
-                raise SpecShimError(f"{where}: input_ids must be a list of integers")
+                raise UsageError(f"{where}: input_ids must be a list of integers")
             return ids, [1] * len(ids)
         if "text" in record:
             if not isinstance(record["text"], str):
-                raise SpecShimError(f"{where}: text must be a string")
+                raise UsageError(f"{where}: text must be a string")
             ids = self.tokenizer(record["text"], add_special_tokens=True)["input_ids"]
             return list(ids), [1] * len(ids)
         turns = record.get("messages", record.get("conversations"))
@@ -108,9 +143,9 @@ class Tokenizing:
         from speculators.data_generation import preprocessing
 
         if not isinstance(turns, list) or not turns:
-            raise SpecShimError(f"{where}: messages must be a non-empty list of turns")
+            raise UsageError(f"{where}: messages must be a non-empty list of turns")
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise SpecShimError(
+            raise UsageError(
                 f"{where}: chat turns need a tokenizer with a chat template; "
                 f"{self.model} has none (use text or input_ids)"
             )
@@ -120,11 +155,45 @@ class Tokenizing:
             {"conversations": [turns]}, self.tokenizer, 1 << 30, self._pattern
         )
         if not out["input_ids"]:
-            raise SpecShimError(
+            raise UsageError(
                 f"{where}: speculators' preprocessing could not render this "
                 "conversation (unknown roles only, or a chat template error)"
             )
         return out["input_ids"][0].tolist(), out["loss_mask"][0].tolist()
+
+
+def tokenize(
+    path: Path, model: Path, records: list[Record], vocab_size: int, max_len: int
+) -> list[Sample]:
+    """``records`` as samples: checked, and truncated to ``max_len`` tokens."""
+    tokenizing = Tokenizing(model)
+    samples = []
+    truncated = 0
+    for record in records:
+        where = f"{path}:{record.number}"
+        ids, mask = tokenizing.encode(where, record.data)
+        if not ids:
+            raise UsageError(f"{where}: the sample has no tokens")
+        bad = [t for t in ids if t < 0 or t >= vocab_size]
+        if bad:
+            raise UsageError(
+                f"{where}: token id {bad[0]} is outside the model's vocabulary "
+                f"[0, {vocab_size}) ({len(bad)} such ids in this sample)"
+            )
+        if len(ids) > max_len:
+            truncated += 1
+            ids, mask = ids[:max_len], mask[:max_len]
+        samples.append(Sample(record.index, ids, mask))
+    if truncated:
+        logger.warning(
+            "%d of %d samples are longer than max_model_len - 1 = %d tokens and were "
+            "truncated to it (as speculators does); raise --max-model-len to keep "
+            "them whole",
+            truncated,
+            len(samples),
+            max_len,
+        )
+    return samples
 
 
 def load_samples(
@@ -135,35 +204,5 @@ def load_samples(
     shard: tuple[int, int],
 ) -> tuple[list[Sample], int]:
     """This shard's samples, checked and truncated; and the dataset's size."""
-    records = read_records(path)
-    tokenizing = Tokenizing(model)
-    index, count = shard
-    samples = []
-    truncated = 0
-    for position, (number, record) in enumerate(records):
-        if position % count != index:
-            continue
-        where = f"{path}:{number}"
-        ids, mask = tokenizing.encode(where, record)
-        if not ids:
-            raise SpecShimError(f"{where}: the sample has no tokens")
-        bad = [t for t in ids if t < 0 or t >= vocab_size]
-        if bad:
-            raise SpecShimError(
-                f"{where}: token id {bad[0]} is outside the model's vocabulary "
-                f"[0, {vocab_size}) ({len(bad)} such ids in this sample)"
-            )
-        if len(ids) > max_len:
-            truncated += 1
-            ids, mask = ids[:max_len], mask[:max_len]
-        samples.append(Sample(position, ids, mask))
-    if truncated:
-        logger.warning(
-            "%d of %d samples are longer than max_model_len - 1 = %d tokens and were "
-            "truncated to it (as speculators does); raise --max-model-len to keep "
-            "them whole",
-            truncated,
-            len(samples),
-            max_len,
-        )
-    return samples, len(records)
+    records, total = read_records(path, shard)
+    return tokenize(path, model, records, vocab_size, max_len), total

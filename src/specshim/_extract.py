@@ -4,9 +4,16 @@ Sample i of the dataset always lands in ``OUT/data_{i}.pt`` (the layout
 speculators 0.3.0's trainer reads: ``input_ids``, ``hidden_states`` as one
 tensor per layer in layer order, ``loss_mask``). Files are written under a
 hidden temporary name that does not end in ``pt`` and renamed into place, so a
-killed run never leaves a partial file where the trainer would pick it up;
-rerunning the same command skips what exists. ``--shard I/N`` takes samples
-with ``i % N == I``, so shards write disjoint names into one directory.
+killed run never leaves a partial file where the trainer would pick it up.
+
+Rerunning the same command resumes. What is already there is judged by
+content (``specshim._store``): a file counts as done only if a manifest line
+describes that very file and says it holds what sample i of the dataset holds
+now; anything else is rewritten, and the run says how many and why. The
+settings (model, layers, max length, vLLM and speculators versions) are fixed
+by the first sample written, in ``data_config.json``. ``--shard I/N`` takes
+samples with ``i % N == I``; any number of shards, on any hosts sharing the
+directory, can write into it at once.
 """
 
 from __future__ import annotations
@@ -20,16 +27,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specshim import _settings
-from specshim._dataset import Sample, load_samples
-from specshim._registry import SpecShimError, installed_version
+from specshim import _settings, _store
+from specshim._dataset import Record, Sample, read_records, tokenize
+from specshim._errors import SpecShimError, UsageError
+from specshim._registry import installed_version
 from specshim._settings import DEFAULT_BATCH_SIZE, STEP_DEFAULTS
+from specshim._store import final_path
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAME = "data_config.json"
 # Keys of data_config.json that must agree before a run may add to a directory.
-RUN_IDENTITY = ("model", "layers", "max_model_len", "dataset", "num_samples")
+# The dataset is not among them: samples are identified by content.
+RUN_IDENTITY = ("model_fingerprint", "layers", "max_model_len", "versions")
+# Versions that change what the states are; others (torch, transformers) are
+# recorded only.
+PINNED_VERSIONS = ("vllm", "speculators")
+# Files that decide how a checkpoint tokenizes and what its model is.
+_MODEL_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 @dataclass
@@ -49,6 +73,9 @@ class ExtractOptions:
     max_num_seqs: int | None = None
     max_batched_tokens: int | None = None
     cache_memory_fraction: float | None = None
+    # vLLM's CPU KV-cache space in GiB, on a host without an accelerator;
+    # None: VLLM_CPU_KVCACHE_SPACE if set, else what the job needs (cpu_kv_space).
+    cpu_kv_space_gib: int | None = None
 
 
 def step_settings(options: ExtractOptions) -> dict[str, Any]:
@@ -69,128 +96,214 @@ def parse_layers(text: str | None) -> list[int] | None:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise SpecShimError(
+        raise UsageError(
             f"--layers {text!r}: expected comma-separated integers"
         ) from None
 
 
-def model_facts(model: Path) -> tuple[int, int]:
-    """(number of decoder layers, vocabulary size) from the checkpoint's config.json."""
+def _text_config(model: Path, flag: str = "--model") -> tuple[Path, dict[str, Any]]:
+    """The checkpoint's config.json, and its text part (multimodal wrappers)."""
     if not model.is_dir():
-        raise SpecShimError(f"--model {model}: no such directory (a local checkpoint)")
+        raise UsageError(f"{flag} {model}: no such directory (a local checkpoint)")
     config_file = model / "config.json"
     if not config_file.is_file():
-        raise SpecShimError(
-            f"--model {model}: no config.json, not a checkpoint directory"
-        )
-    config = json.loads(config_file.read_text())
-    text = config.get("text_config") or {}
+        raise UsageError(f"{flag} {model}: no config.json, not a checkpoint directory")
     try:
-        layers = text.get("num_hidden_layers", config.get("num_hidden_layers"))
-        vocab = text.get("vocab_size", config.get("vocab_size"))
-        return int(layers), int(vocab)
-    except (TypeError, ValueError):
-        raise SpecShimError(
-            f"{config_file}: cannot find num_hidden_layers and vocab_size"
-        ) from None
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{config_file}: not a readable JSON file ({exc})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{config_file}: not a JSON object")
+    return config_file, {**config, **(config.get("text_config") or {})}
+
+
+def _config_int(model: Path, *keys: str) -> tuple[int, ...]:
+    config_file, config = _text_config(model)
+    try:
+        return tuple(int(config[key]) for key in keys)
+    except (KeyError, TypeError, ValueError):
+        raise UsageError(f"{config_file}: cannot find {' and '.join(keys)}") from None
+
+
+def model_facts(model: Path) -> tuple[int, int]:
+    """(number of decoder layers, vocabulary size) from the checkpoint's config.json."""
+    layers, vocab = _config_int(model, "num_hidden_layers", "vocab_size")
+    return layers, vocab
+
+
+def hidden_size(model: Path) -> int:
+    return _config_int(model, "hidden_size")[0]
 
 
 def choose_layers(requested: list[int] | None, num_layers: int) -> list[int]:
     """The requested layers, checked; or speculators 0.3.0's automatic choice."""
     if requested is None:
-        # speculators' own default in VllmHiddenStatesGenerator.__init__.
-        return [2, num_layers // 2, num_layers - 3, num_layers - 1]
+        # speculators' own default in VllmHiddenStatesGenerator.__init__, whose
+        # ids coincide on small models (6 layers: 2, 3, 3, 5): each layer once.
+        auto = [2, num_layers // 2, num_layers - 3, num_layers - 1]
+        return sorted({i for i in auto if 0 <= i < num_layers})
     if not requested:
-        raise SpecShimError("--layers is empty")
+        raise UsageError("--layers is empty")
     bad = [i for i in requested if not 0 <= i < num_layers]
     if bad:
-        raise SpecShimError(
+        raise UsageError(
             f"--layers {bad} out of range: the model has {num_layers} decoder "
             f"layers, valid ids are 0..{num_layers - 1}"
         )
     if len(set(requested)) != len(requested) or requested != sorted(requested):
-        raise SpecShimError(
+        raise UsageError(
             f"--layers {requested}: give distinct ids in increasing order "
             "(captured states are stored in layer order)"
         )
     return requested
 
 
-def _identity(
-    options: ExtractOptions, layers: list[int], num_samples: int
-) -> dict[str, Any]:
+def model_fingerprint(model: Path) -> str:
+    """The checkpoint by content: config, tokenizer files, weight file sizes.
+
+    Not its path, so another mount point on another node is the same model.
+    Weights are not read (too large); their names and sizes are taken.
+    """
+    import hashlib
+
+    digest = hashlib.blake2b(digest_size=16)
+    for name in _MODEL_FILES:
+        path = model / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(model.glob("*.safetensors")) + sorted(model.glob("*.bin")):
+        digest.update(f"{path.name}:{path.stat().st_size}\0".encode())
+    return digest.hexdigest()
+
+
+def run_identity(options: ExtractOptions, layers: list[int]) -> dict[str, Any]:
     return {
-        "model": str(options.model.resolve()),
+        "model_fingerprint": model_fingerprint(options.model),
         "layers": layers,
         "max_model_len": options.max_model_len,
-        "dataset": str(options.data.resolve()),
-        "num_samples": num_samples,
+        "versions": {n: installed_version(n) for n in PINNED_VERSIONS},
     }
 
 
-def _write_config(out: Path, identity: dict[str, Any]) -> None:
-    path = out / CONFIG_NAME
-    if path.exists():
-        existing = json.loads(path.read_text())
-        changed = [k for k in RUN_IDENTITY if existing.get(k) != identity[k]]
-        if changed:
-            details = "; ".join(
-                f"{k}: {existing.get(k)!r} there, {identity[k]!r} now" for k in changed
-            )
-            raise SpecShimError(
-                f"{out} holds output of a different run ({details}). Use another "
-                "--out, or remove the directory to start over."
-            )
+def check_identity(
+    out: Path, existing: dict[str, Any], identity: dict[str, Any]
+) -> None:
+    """Refuse to add to ``out`` if it holds output of other settings."""
+    changed = [k for k in RUN_IDENTITY if existing.get(k) != identity[k]]
+    if not changed:
         return
+    if "model_fingerprint" not in existing:
+        detail = "it was written by an older specshim that identified runs by path"
+    else:
+        detail = "; ".join(
+            f"{k}: {existing.get(k)!r} there, {identity[k]!r} now" for k in changed
+        )
+    raise UsageError(
+        f"{out} holds output of different settings ({detail}). Use another "
+        "--out, or remove the directory to start over."
+    )
+
+
+def _config(identity: dict[str, Any], options: ExtractOptions) -> dict[str, Any]:
     import specshim
 
     config = dict(identity)
     config.update(
+        model=str(options.model.resolve()),
         format="speculators-0.3.0 hidden states (data_{i}.pt per sample)",
         files="data_{i}.pt holds sample i of the dataset",
         hidden_states="one tensor per layer, in the order of 'layers'",
-        versions={
+        recorded_versions={
             n: installed_version(n)
             for n in ("vllm", "speculators", "torch", "transformers")
         }
         | {"specshim": specshim.__version__},
     )
-    _atomic_write(path, json.dumps(config, indent=2).encode())
+    return config
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def final_path(out: Path, index: int) -> Path:
-    return out / f"data_{index}.pt"
-
-
-def save_sample(out: Path, sample: Sample, result: dict[str, Any]) -> int:
-    """Write one sample under a temporary name and rename it into place."""
+def save_sample(
+    run: _store.Run, sample: Sample, record: Record, result: dict[str, Any]
+) -> int:
+    """Write one sample under a temporary name, record it, rename it into place."""
     import torch
 
     if result["input_ids"].tolist() != sample.input_ids:
         raise SpecShimError(
             f"sample {sample.index}: the generator returned other input ids"
         )
-    record = {
+    data = {
         "input_ids": result["input_ids"],
         "hidden_states": result["hidden_states"],
         "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.long),
     }
-    final = final_path(out, sample.index)
-    tmp = out / f".data_{sample.index}.{os.getpid()}.partial"
-    torch.save(record, tmp)
+    final = final_path(run.out, sample.index)
+    tmp = run.partial_path(final.name)
+    torch.save(data, tmp)
+    stat = tmp.stat()
+    run.record(
+        _store.Entry(
+            index=sample.index,
+            tokens=_store.token_digest(sample.input_ids, sample.loss_mask),
+            record=record.digest,
+            size=stat.st_size,
+            inode=stat.st_ino,
+            mtime_ns=stat.st_mtime_ns,
+            num_tokens=len(sample.input_ids),
+        )
+    )
     os.replace(tmp, final)
-    return final.stat().st_size
+    return stat.st_size
 
 
-def _remove_stale_partials(out: Path) -> None:
-    for stale in out.glob(".data_*.partial"):
-        stale.unlink(missing_ok=True)
+@dataclass
+class Plan:
+    """What a run has to do to its shard of ``--out``."""
+
+    done: int
+    todo: list[tuple[Record, Sample]]
+    rewrites: dict[str, int]  # why -> how many existing files are rewritten
+
+
+_CHANGED_FILE = (
+    "the file is not the one specshim recorded (truncated, edited or foreign)"
+)
+_CHANGED_SAMPLE = "the dataset's sample changed since the file was written"
+
+
+def plan_shard(options: ExtractOptions, records: list[Record], vocab_size: int) -> Plan:
+    """Check what ``--out`` holds for this shard against the dataset, by content.
+
+    Files whose manifest line matches the file and the record are done without
+    tokenizing; the rest are tokenized, and an existing file survives only if
+    its recorded tokens and loss mask equal the sample's now.
+    """
+    files = _store.existing_files(options.out, {r.index for r in records})
+    proven = _store.proven_files(options.out, files)
+    done = 0
+    unsure: list[Record] = []
+    for record in records:
+        entry = proven.get(record.index)
+        if entry is not None and entry.record == record.digest:
+            done += 1
+        else:
+            unsure.append(record)
+    samples = tokenize(
+        options.data, options.model, unsure, vocab_size, options.max_model_len - 1
+    )
+    rewrites: dict[str, int] = {}
+    todo = []
+    for record, sample in zip(unsure, samples, strict=True):
+        entry = proven.get(record.index)
+        if entry is not None:
+            if entry.tokens == _store.token_digest(sample.input_ids, sample.loss_mask):
+                done += 1
+                continue
+            rewrites[_CHANGED_SAMPLE] = rewrites.get(_CHANGED_SAMPLE, 0) + 1
+        elif record.index in files:
+            rewrites[_CHANGED_FILE] = rewrites.get(_CHANGED_FILE, 0) + 1
+        todo.append((record, sample))
+    return Plan(done, todo, rewrites)
 
 
 class _Progress:
@@ -236,62 +349,178 @@ def extract(options: ExtractOptions) -> dict[str, Any]:
     The step budget it sets (``step_settings``) is undone on return.
     """
     saved = _settings.snapshot()
+    kv_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     try:
         return _extract(options)
     finally:
         _settings.restore(saved)
+        if kv_space is None:
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        else:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = kv_space
+
+
+def _check_options(options: ExtractOptions) -> None:
+    if options.max_model_len < 2:
+        raise UsageError("--max-model-len must be at least 2")
+    if options.batch_size < 1 or options.tp < 1:
+        raise UsageError("--batch-size and --tp must be positive")
+    if not 0 < options.gpu_memory_utilization <= 1:
+        raise UsageError("--gpu-memory-utilization must be in (0, 1]")
+    if options.cpu_kv_space_gib is not None and options.cpu_kv_space_gib < 1:
+        raise UsageError("--cpu-kv-space-gib must be at least 1")
+    kv_env = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if kv_env and not kv_env.isdigit():
+        raise UsageError(
+            f"VLLM_CPU_KVCACHE_SPACE={kv_env!r}: vLLM expects a whole number of GiB"
+        )
 
 
 def _extract(options: ExtractOptions) -> dict[str, Any]:
+    # Cheap checks first: flags, paths and what --out already holds, before the
+    # dataset is tokenized or a model is loaded.
     num_layers, vocab_size = model_facts(options.model)
     layers = choose_layers(options.layers, num_layers)
-    if options.max_model_len < 2:
-        raise SpecShimError("--max-model-len must be at least 2")
-    if options.batch_size < 1 or options.tp < 1:
-        raise SpecShimError("--batch-size and --tp must be positive")
+    _check_options(options)
     settings = step_settings(options)
-    samples, total = load_samples(
-        options.data,
-        options.model,
-        vocab_size,
-        options.max_model_len - 1,
-        options.shard,
-    )
-    options.out.mkdir(parents=True, exist_ok=True)
-    _write_config(options.out, _identity(options, layers, total))
-    _remove_stale_partials(options.out)
-    pending = [s for s in samples if not final_path(options.out, s.index).exists()]
-    counts = {"shard_samples": len(samples), "skipped": len(samples) - len(pending)}
-    if not pending:
-        logger.info("extract: all %d samples of this shard already exist", len(samples))
-        return counts | {"written": 0, "tokens": 0, "seconds": 0.0}
+    if not options.data.is_file():
+        raise UsageError(f"--data {options.data}: no such file")
+    _store.prepare_out(options.out)
+    identity = run_identity(options, layers)
+    existing = _store.read_config(options.out)
+    if existing is not None:
+        check_identity(options.out, existing, identity)
+    records, total = read_records(options.data, options.shard)
+    run = _store.Run(options.out)
+    run.start()
+    try:
+        cleaned = run.remove_dead_partials()
+        if cleaned:
+            logger.info("extract: removed %d leftovers of runs that died", cleaned)
+        plan = plan_shard(options, records, vocab_size)
+        return _write(options, layers, settings, identity, run, plan) | {
+            "shard_samples": len(records),
+            "dataset_samples": total,
+            "skipped": plan.done,
+            "rewritten": dict(plan.rewrites),
+        }
+    finally:
+        run.close()
+
+
+def _write(
+    options: ExtractOptions,
+    layers: list[int],
+    settings: dict[str, Any],
+    identity: dict[str, Any],
+    run: _store.Run,
+    plan: Plan,
+) -> dict[str, Any]:
+    for why, count in plan.rewrites.items():
+        logger.warning("extract: rewriting %d file(s): %s", count, why)
+    if not plan.todo:
+        logger.info("extract: all %d samples of this shard already exist", plan.done)
+        return {"written": 0, "tokens": 0, "seconds": 0.0}
     logger.info(
         "extract: %d samples to write (%d already there), layers %s; step budget %s",
-        len(pending),
-        counts["skipped"],
+        len(plan.todo),
+        plan.done,
         layers,
         ", ".join(f"{k}={v['value']} ({v['source']})" for k, v in settings.items()),
     )
+    if _on_cpu():
+        space, source = cpu_kv_space(
+            options, int(settings["max_batched_tokens"]["value"])
+        )
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(space)
+        logger.info("extract: vLLM CPU KV-cache space %d GiB (%s)", space, source)
     generator = _make_generator(options, layers)
     bar = sys.stderr.isatty() if options.progress is None else options.progress
-    progress = _Progress(len(pending), sum(len(s.input_ids) for s in pending), bar)
+    progress = _Progress(
+        len(plan.todo), sum(len(s.input_ids) for _, s in plan.todo), bar
+    )
     started = time.monotonic()
     written = tokens = 0
+    published = False
     try:
-        for start in range(0, len(pending), options.batch_size):
-            batch = pending[start : start + options.batch_size]
-            results = _generate(generator, batch, written)
-            for sample, result in zip(batch, results, strict=True):
-                save_sample(options.out, sample, result)
+        for start in range(0, len(plan.todo), options.batch_size):
+            batch = plan.todo[start : start + options.batch_size]
+            results = _generate(generator, [s for _, s in batch], written)
+            if not published:  # the settings are fixed by the first sample
+                in_force = run.publish_config(_config(identity, options))
+                check_identity(options.out, in_force, identity)
+                published = True
+            for (record, sample), result in zip(batch, results, strict=True):
+                save_sample(run, sample, record, result)
             written += len(batch)
-            batch_tokens = sum(len(s.input_ids) for s in batch)
+            batch_tokens = sum(len(s.input_ids) for _, s in batch)
             tokens += batch_tokens
             progress.update(len(batch), batch_tokens)
         seconds = time.monotonic() - started
     finally:
         progress.close()
         _shutdown(generator)
-    return counts | {"written": written, "tokens": tokens, "seconds": seconds}
+    return {"written": written, "tokens": tokens, "seconds": seconds}
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """An upper estimate of one token's KV cache (bfloat16, every layer).
+
+    Multi-head latent attention runs as plain attention on the CPU backend
+    (``VLLM_MLA_DISABLE``): K and V then span every head.
+    """
+    _, config = _text_config(model)
+    layers = int(config.get("num_hidden_layers", 1))
+    heads = int(config.get("num_attention_heads", 1))
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    if "kv_lora_rank" in config:
+        nope = int(config.get("qk_nope_head_dim") or 0)
+        rope = int(config.get("qk_rope_head_dim") or 0)
+        v_dim = int(config.get("v_head_dim") or nope + rope)
+        per_layer = heads * (max(nope + rope, v_dim) * 2)
+    else:
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+        per_layer = 2 * kv_heads * head_dim
+    return layers * per_layer * 2
+
+
+def cpu_kv_space(options: ExtractOptions, max_batched_tokens: int) -> tuple[int, str]:
+    """vLLM's CPU KV-cache space for this job, in GiB, and where it came from.
+
+    speculators gives its KV cache ``space * gpu_memory_utilization *
+    cache_memory_fraction``; the job needs one step's tokens (at least one
+    whole sequence), twice over for block rounding. The machine caps it at
+    half of the memory available now. vLLM's own default is most of the
+    machine's free memory.
+    """
+    if options.cpu_kv_space_gib is not None:
+        return options.cpu_kv_space_gib, "--cpu-kv-space-gib"
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip():
+        return int(os.environ["VLLM_CPU_KVCACHE_SPACE"]), "VLLM_CPU_KVCACHE_SPACE"
+    fraction = _settings.settings()["cache_memory_fraction"]["value"]
+    tokens = max(max_batched_tokens, options.max_model_len)
+    need = 2 * tokens * kv_bytes_per_token(options.model)
+    need /= options.gpu_memory_utilization * float(fraction)
+    gib = 1 << 30
+    available = _available_memory() // 2
+    return max(1, min(-(-int(need) // gib), available // gib)), "the job's need"
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def _make_generator(options: ExtractOptions, layers: list[int]) -> Any:

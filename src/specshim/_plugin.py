@@ -3,12 +3,21 @@
 vLLM calls ``load_general_plugins()`` in every process it starts, workers
 included, before it resolves ``worker_extension_cls``; so importing specshim
 here arms the worker patches before speculators' extension module is imported.
+
+In a vLLM process that never imports speculators this only arms import hooks
+for speculators' two modules: no patch applies and nothing of vLLM changes.
+``SPECSHIM_DISABLE=all`` turns even that off: the plugin then imports nothing.
 """
 
 from __future__ import annotations
 
+import os
+
 
 def register() -> None:
+    disabled = os.environ.get("SPECSHIM_DISABLE", "")
+    if "all" in {item.strip() for item in disabled.split(",")}:
+        return
     import specshim
 
     specshim.apply()

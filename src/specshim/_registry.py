@@ -19,6 +19,7 @@ import threading
 import warnings
 
 from specshim import _hooks
+from specshim._errors import SpecShimError, SpecShimWarning
 
 TYPE_CHECKING = False  # typing costs ~15 ms to import; annotations are strings
 if TYPE_CHECKING:
@@ -56,14 +57,6 @@ __all__ = [
     "registry",
     "revert",
 ]
-
-
-class SpecShimError(RuntimeError):
-    """A patch could not be applied, or specshim refused unsafe input."""
-
-
-class SpecShimWarning(UserWarning):
-    """An optional patch could not be applied."""
 
 
 # The modules patches target; hooked at apply() without loading the patch files.

@@ -12,7 +12,7 @@ from specshim._registry import (
     strict,
     version_advice,
 )
-from specshim._settings import settings
+from specshim._settings import settings, trust_remote_code
 
 PLUGIN_NAME = "specshim"
 PACKAGES = ("vllm", "speculators", "torch", "transformers")
@@ -138,7 +138,7 @@ def model_report(path: str) -> dict[str, Any]:
         "speculators.data_generation.vllm_hidden_states_generator"
     )
     config = generator.ModelConfig(
-        model=path, tokenizer=path, trust_remote_code=True, dtype="auto"
+        model=path, tokenizer=path, trust_remote_code=trust_remote_code(), dtype="auto"
     )
     modalities = supported_modalities(config)
     multimodal = getattr(config, "multimodal_config", None)

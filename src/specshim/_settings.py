@@ -95,7 +95,10 @@ STEP_DEFAULTS = {
 DEFAULT_BATCH_SIZE = 32
 
 
+TRUST_ENV = "SPECSHIM_TRUST_REMOTE_CODE"
+
 _lock = threading.Lock()
+_trust: list[bool] = []  # [consent] once configure(trust_remote_code=) was called
 _chosen: dict[str, Any] = {}  # knob name -> value set by configure() or env
 _defaults: dict[str, Any] = {}  # knob name -> speculators' own value
 _sources: dict[str, str] = {}  # knob name -> "configure()" or "env VAR"
@@ -158,20 +161,44 @@ def configure(
     max_num_seqs: int | None = None,
     max_batched_tokens: int | None = None,
     cache_memory_fraction: float | None = None,
+    trust_remote_code: bool | None = None,
     reset: bool = False,
 ) -> dict[str, Any]:
     """Set speculators' step budget and KV-cache fraction; return what is in force.
 
-    ``None`` leaves a setting as it is; ``reset=True`` first returns every
-    setting to speculators' own value. Applies to generators constructed
-    afterwards. Raises ``SpecShimError`` for a value out of range.
+    ``trust_remote_code=True`` consents to running the Python code a checkpoint
+    ships (its ``auto_map``), which speculators would otherwise run unasked;
+    without it (or ``SPECSHIM_TRUST_REMOTE_CODE=1``) such a checkpoint is
+    refused. ``None`` leaves a setting as it is; ``reset=True`` first returns
+    every setting to speculators' own value (and withdraws consent). Applies to
+    generators constructed afterwards. Raises ``SpecShimError`` for a value out
+    of range.
     """
     given = {
         "max_num_seqs": max_num_seqs,
         "max_batched_tokens": max_batched_tokens,
         "cache_memory_fraction": cache_memory_fraction,
     }
+    if trust_remote_code is not None and not isinstance(trust_remote_code, bool):
+        raise SpecShimError(
+            f"specshim.configure: trust_remote_code must be True or False, got "
+            f"{trust_remote_code!r}"
+        )
+    if reset:
+        with _lock:
+            _trust.clear()
+    if trust_remote_code is not None:
+        with _lock:
+            _trust[:] = [trust_remote_code]
     return _configure(given, reset, "specshim.configure")
+
+
+def trust_remote_code() -> bool:
+    """Whether the user consented to checkpoint code (configure() > environment)."""
+    with _lock:
+        if _trust:
+            return _trust[0]
+    return os.environ.get(TRUST_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
 def _configure(given: dict[str, Any], reset: bool, caller: str) -> dict[str, Any]:
@@ -191,19 +218,20 @@ def _configure(given: dict[str, Any], reset: bool, caller: str) -> dict[str, Any
     return settings()
 
 
-def snapshot() -> tuple[dict[str, Any], dict[str, str]]:
+def snapshot() -> tuple[dict[str, Any], dict[str, str], list[bool]]:
     """The settings chosen so far, for ``restore``."""
     with _lock:
-        return dict(_chosen), dict(_sources)
+        return dict(_chosen), dict(_sources), list(_trust)
 
 
-def restore(saved: tuple[dict[str, Any], dict[str, str]]) -> None:
+def restore(saved: tuple[dict[str, Any], dict[str, str], list[bool]]) -> None:
     """Put back what ``snapshot`` saw (extract uses this to leave no trace)."""
     with _lock:
         _chosen.clear()
         _chosen.update(saved[0])
         _sources.clear()
         _sources.update(saved[1])
+        _trust[:] = saved[2]
     _arm()
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from pathlib import Path
+from typing import Any
 
-from specshim._extract import CONFIG_NAME
-from specshim._registry import SpecShimError
+from specshim._errors import SpecShimError, UsageError
+from specshim._store import CONFIG_NAME, read_config
 
 _NAME = re.compile(r"^data_(\d+)\.pt$")
 
@@ -26,7 +26,11 @@ def agreement(
     per_layer: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     failures = []
     for index, path in files:
-        data = torch.load(path, weights_only=True)
+        try:
+            data = _load(path)
+        except UnreadableError as exc:
+            failures.append(f"data_{index}.pt: cannot be loaded safely ({exc})")
+            continue
         ids = data["input_ids"].tolist()
         expected = reference.states(ids, layers)
         why = mismatch(data["hidden_states"], expected)
@@ -41,7 +45,7 @@ def agreement(
                 per_layer[layer].append(torch.zeros(len(ids)))
     stats = {}
     for layer, parts in per_layer.items():
-        cos = torch.cat(parts)
+        cos = torch.cat(parts) if parts else torch.zeros(1)
         stats[layer] = (cos.mean().item(), (cos >= 0.95).float().mean().item())
     return stats, failures
 
@@ -53,14 +57,107 @@ def written_files(out: Path) -> list[tuple[int, Path]]:
     )
 
 
-def verify(model: Path, out: Path, samples: int, seed: int) -> int:
-    """Print per-layer agreement for ``samples`` files; 1 if any disagrees."""
-    config_file = out / CONFIG_NAME
-    if not config_file.is_file():
-        raise SpecShimError(
+def run_config(out: Path) -> dict[str, Any]:
+    """``data_config.json`` of an extract output directory, checked."""
+    if not out.is_dir():
+        raise UsageError(f"--out {out}: no such directory")
+    config = read_config(out)
+    if config is None:
+        raise UsageError(
             f"{out}: no {CONFIG_NAME}; is this an extract output directory?"
         )
-    layers = json.loads(config_file.read_text())["layers"]
+    layers = config.get("layers")
+    if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+        raise SpecShimError(f"{out / CONFIG_NAME} is corrupt: no list of layers")
+    return config
+
+
+def _load(path: Path) -> Any:
+    """A sample file, read without unpickling arbitrary objects."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
+        text = str(exc).strip()
+        first = text.splitlines()[0].split(". ")[0] if text else repr(exc)
+        raise UnreadableError(first) from None
+
+
+class UnreadableError(Exception):
+    pass
+
+
+def check_file(
+    path: Path, sample: Any, layers: list[int], hidden_size: int
+) -> str | None:
+    """None if ``path`` holds ``sample`` in the run's shapes, else what is wrong."""
+    import torch
+
+    try:
+        data = _load(path)
+    except UnreadableError as exc:
+        return f"cannot be loaded safely ({exc})"
+    if not isinstance(data, dict) or not {
+        "input_ids",
+        "hidden_states",
+        "loss_mask",
+    } <= set(data):
+        return "is not a speculators sample (input_ids, hidden_states, loss_mask)"
+    ids, mask, states = data["input_ids"], data["loss_mask"], data["hidden_states"]
+    if not torch.equal(ids, torch.as_tensor(sample.input_ids, dtype=ids.dtype)):
+        return "holds other input_ids than the dataset's sample"
+    if not torch.equal(mask, torch.as_tensor(sample.loss_mask, dtype=mask.dtype)):
+        return "holds another loss_mask than the dataset's sample"
+    if not isinstance(states, list) or len(states) != len(layers):
+        count = len(states) if isinstance(states, list) else "no list of"
+        return f"has {count} hidden-state tensors for {len(layers)} layers"
+    want = (len(sample.input_ids), hidden_size)
+    for layer, tensor in zip(layers, states, strict=True):
+        if tuple(tensor.shape) != want:
+            return f"layer {layer}: shape {tuple(tensor.shape)}, expected {want}"
+        if not bool(torch.isfinite(tensor).all()):
+            return f"layer {layer}: holds NaN or infinite values"
+    return None
+
+
+def verify_all(model: Path, out: Path, data: Path) -> tuple[int, list[str]]:
+    """Load every file of ``out`` and check it against ``data`` and the settings."""
+    from specshim._dataset import read_records, tokenize
+    from specshim._extract import hidden_size, model_facts
+
+    config = run_config(out)
+    layers = config["layers"]
+    _, vocab_size = model_facts(model)
+    width = hidden_size(model)
+    records, total = read_records(data)
+    samples = tokenize(data, model, records, vocab_size, config["max_model_len"] - 1)
+    files = dict(written_files(out))
+    lines, bad = [], 0
+    for sample in samples:
+        path = files.pop(sample.index, None)
+        if path is None:
+            lines.append(f"  MISSING data_{sample.index}.pt")
+            bad += 1
+            continue
+        why = check_file(path, sample, layers, width)
+        if why:
+            lines.append(f"  BAD {path.name}: {why}")
+            bad += 1
+    for index, path in sorted(files.items()):
+        lines.append(f"  BAD {path.name}: the dataset has no sample {index}")
+        bad += 1
+    head = f"verify --all: {total} samples in {data}, {len(samples) - bad} good"
+    lines.insert(0, head + (f", {bad} bad or missing" if bad else ""))
+    lines.append("verify: " + ("FAILED" if bad else "ok"))
+    return (1 if bad else 0), lines
+
+
+def verify(model: Path, out: Path, samples: int, seed: int) -> int:
+    """Print per-layer agreement for ``samples`` files; 1 if any disagrees."""
+    layers = run_config(out)["layers"]
     files = written_files(out)
     if not files:
         raise SpecShimError(f"{out}: no data_{{i}}.pt files to verify")

@@ -10,9 +10,58 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
-from specshim._registry import SpecShimError
+from specshim._errors import SpecShimError, UsageError
 from specshim._settings import DEFAULT_BATCH_SIZE, STEP_DEFAULTS
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Any:
+    """Send everything written to stdout meanwhile to stderr, at the fd level.
+
+    vLLM logs to stdout, in this process and in its worker processes (which
+    inherit fd 1); a command's own result must be the only thing on stdout.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _checkpoint(args: argparse.Namespace, flag: str = "--model") -> Path:
+    """The checkpoint directory, checked, its code consented to or refused.
+
+    Runs before anything is loaded from it.
+    """
+    from specshim import configure
+    from specshim._remote_code import require_consent
+
+    path = args.model
+    model = Path(path)
+    if not model.is_dir():
+        raise UsageError(f"{flag} {path}: no such directory (a local checkpoint)")
+    if not (model / "config.json").is_file():
+        raise UsageError(f"{flag} {path}: no config.json, not a checkpoint directory")
+    if getattr(args, "trust_remote_code", False):
+        configure(trust_remote_code=True)
+    require_consent(model, flag=True)
+    return model
+
+
+def _trust_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow the Python code the checkpoint ships (its auto_map) to run, "
+        "here and in every vLLM worker; a checkpoint with code is refused "
+        "without it (also: SPECSHIM_TRUST_REMOTE_CODE=1)",
+    )
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -21,7 +70,9 @@ def _doctor(args: argparse.Namespace) -> int:
     # vLLM logs to stdout; keep stdout for the report itself (valid --json).
     from specshim.compat import TARGET_MODULES
 
-    with contextlib.redirect_stdout(sys.stderr):
+    if args.model:
+        _checkpoint(args)
+    with _stdout_to_stderr():
         failures = []
         for name in TARGET_MODULES:
             try:
@@ -46,7 +97,10 @@ def _doctor(args: argparse.Namespace) -> int:
         for failure in failures:
             print("\n" + failure)
     bad = [p for p in data["patches"] if p["state"] in ("incompatible", "failed")]
-    return 1 if failures or bad or not data["plugin"]["installed"] else 0
+    plugin = data["plugin"]
+    return (
+        1 if failures or bad or not (plugin["installed"] and plugin["allowed"]) else 0
+    )
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -83,7 +137,7 @@ def _extract(args: argparse.Namespace) -> int:
     from specshim._extract import ExtractOptions, extract, parse_layers
 
     options = ExtractOptions(
-        model=Path(args.model),
+        model=_checkpoint(args),
         data=Path(args.data),
         out=Path(args.out),
         layers=parse_layers(args.layers),
@@ -95,20 +149,47 @@ def _extract(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens,
         cache_memory_fraction=args.cache_memory_fraction,
+        cpu_kv_space_gib=args.cpu_kv_space_gib,
     )
-    counts = extract(options)
-    rate = counts["tokens"] / counts["seconds"] if counts["seconds"] else 0.0
-    print(
-        f"extract: wrote {counts['written']} samples ({counts['skipped']} already "
-        f"there) to {options.out}; {counts['tokens']} tokens at {rate:,.0f} tok/s"
-    )
+    with _stdout_to_stderr():
+        counts = extract(options)
+    print(summary(counts, options.out))
     return 0
 
 
-def _verify(args: argparse.Namespace) -> int:
-    from specshim._verify import verify
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" + ("" if count == 1 else "s")
 
-    return verify(Path(args.model), Path(args.out), args.samples, args.seed)
+
+def summary(counts: dict[str, Any], out: Path) -> str:
+    """The one line ``extract`` prints on stdout."""
+    rate = counts["tokens"] / counts["seconds"] if counts["seconds"] else 0.0
+    rewritten = sum(counts.get("rewritten", {}).values())
+    again = f", {rewritten} of them rewritten" if rewritten else ""
+    return (
+        f"extract: wrote {_plural(counts['written'], 'sample')}{again} "
+        f"({counts['skipped']} already there) to {out}; "
+        f"{_plural(counts['tokens'], 'token')} at {rate:,.0f} tok/s"
+    )
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from specshim._verify import verify, verify_all
+
+    model = _checkpoint(args)
+    samples = args.samples
+    if samples is not None and samples < 1:
+        raise UsageError(f"--samples {samples}: give a positive number")
+    if args.all:
+        if not args.data:
+            raise UsageError("--all needs --data: the dataset the files came from")
+        with _stdout_to_stderr():
+            code, lines = verify_all(model, Path(args.out), Path(args.data))
+        print("\n".join(lines))
+        if samples is None:
+            return code
+        return max(code, verify(model, Path(args.out), samples, args.seed))
+    return verify(model, Path(args.out), 8 if samples is None else samples, args.seed)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -116,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise SpecShimError(
+        raise UsageError(
             "specshim run needs a command: specshim run -- python script.py"
         )
     bootstrap = str(Path(__file__).with_name("_bootstrap"))
@@ -124,10 +205,12 @@ def _run(args: argparse.Namespace) -> int:
     env["PYTHONPATH"] = os.pathsep.join(
         [bootstrap] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
+    # Named in the error of a Python that cannot import specshim.
+    env["SPECSHIM_RUN_PYTHON"] = sys.executable
     try:
         os.execvpe(command[0], command, env)
     except FileNotFoundError:
-        raise SpecShimError(f"specshim run: command not found: {command[0]}") from None
+        raise UsageError(f"command not found: {command[0]}") from None
     return 127  # not reached
 
 
@@ -142,6 +225,16 @@ def _command(
     )
 
 
+def _version() -> str:
+    import specshim
+    from specshim._registry import installed_version
+
+    parts = [f"specshim {specshim.__version__}"]
+    for name in ("speculators", "vllm"):
+        parts.append(f"{name} {installed_version(name) or 'not installed'}")
+    return ", ".join(parts)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specshim",
@@ -150,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
 
     extract = _command(
@@ -157,8 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
         "extract",
         "Write speculators training files (data_{i}.pt) for a JSONL dataset. "
         "Resumable (rerun the same command), shardable (--shard I/N).",
-        "specshim extract --model /models/Kimi-K2.5 --data chats.jsonl "
-        "--out hs/ --tp 8 --layers 2,30,58,60",
+        "specshim extract --model /models/Kimi-K2.5 --trust-remote-code "
+        "--data chats.jsonl --out hs/ --tp 8 --layers 2,30,58,60",
     )
     extract.add_argument("--model", required=True, help="a local checkpoint directory")
     extract.add_argument(
@@ -207,7 +301,15 @@ def build_parser() -> argparse.ArgumentParser:
         "or SPECSHIM_CACHE_MEMORY_FRACTION)",
     )
     extract.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    extract.add_argument(
+        "--cpu-kv-space-gib",
+        type=int,
+        help="on a host without an accelerator: vLLM's KV-cache space in GiB "
+        "(default: VLLM_CPU_KVCACHE_SPACE if set, else what the job needs, at "
+        "most half the available memory)",
+    )
     extract.add_argument("--shard", help="I/N: take samples i with i %% N == I")
+    _trust_flag(extract)
     extract.set_defaults(func=_extract)
 
     verify = _command(
@@ -219,8 +321,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--model", required=True)
     verify.add_argument("--out", required=True, help="a directory written by extract")
-    verify.add_argument("--samples", type=int, default=8, help="how many to check")
+    verify.add_argument(
+        "--samples",
+        type=int,
+        help="how many samples to recompute with HF (default 8; with --all: none)",
+    )
+    verify.add_argument(
+        "--all",
+        action="store_true",
+        help="load every file, check its tokens against --data and its shapes "
+        "against the run's settings; name each bad or missing file",
+    )
+    verify.add_argument("--data", help="the dataset extract read (for --all)")
     verify.add_argument("--seed", type=int, default=0, help="which samples to pick")
+    _trust_flag(verify)
     verify.set_defaults(func=_verify)
 
     demo = _command(
@@ -258,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="also show how the generator will load this checkpoint",
     )
+    _trust_flag(doctor)
     doctor.set_defaults(func=_doctor)
 
     check = _command(
@@ -292,9 +407,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return int(args.func(args))
-    except SpecShimError as exc:
+    except UsageError as exc:
         print(f"specshim {args.name}: error: {exc}", file=sys.stderr)
         return 2
+    except SpecShimError as exc:
+        print(f"specshim {args.name}: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # The reader went away (`specshim table | head`): not an error of ours.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

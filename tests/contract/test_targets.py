@@ -169,12 +169,15 @@ def test_upstream_fact_appears_where_the_history_says(row, fact, since, check):
     )
 
 
-def _specshim(*args: str) -> subprocess.CompletedProcess:
+def _specshim(
+    *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "specshim", *args],
         capture_output=True,
         text=True,
         check=False,
+        env=env,
     )
 
 
@@ -184,6 +187,14 @@ def test_doctor_lists_every_patch():
     for record in specshim.records():
         assert record.patch.id in out.stdout
     assert "entry point installed" in out.stdout
+
+
+def test_doctor_fails_when_vllm_plugins_leaves_specshim_out():
+    import os
+
+    out = _specshim("doctor", env=dict(os.environ, VLLM_PLUGINS="some_other_plugin"))
+    assert out.returncode == 1, out.stdout
+    assert "filters specshim out" in out.stdout
 
 
 def test_check_command_passes_and_names_every_patch():

@@ -16,10 +16,21 @@ MAX_MODEL_LEN = 1024
 HF_REFERENCE = {"kimi_k25": "deepseek_v3"}
 
 
-def make_generator(path: str, tp: int, layer_ids: list[int] | None = None) -> Any:
+# Checkpoints that ship Python code (an auto_map): the tests consent to it.
+SHIPS_CODE = {"kimi_k25"}
+
+
+def make_generator(
+    path: str,
+    tp: int,
+    layer_ids: list[int] | None = None,
+    trust_remote_code: bool = False,
+) -> Any:
     from speculators.data_generation import VllmHiddenStatesGenerator
 
-    import specshim  # noqa: F401  (arms the patches before speculators loads)
+    import specshim  # (arms the patches before speculators loads)
+
+    specshim.configure(trust_remote_code=trust_remote_code)
 
     if tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
@@ -134,7 +145,9 @@ def generator(request: pytest.FixtureRequest, tiny_model_dir: Any) -> Iterator[A
     crash = UPSTREAM_CPU_CRASHES.get((name, vllm_minor()))
     specshim.configure(reset=True, **settings)
     try:
-        gen = make_generator(str(tiny_model_dir(name)), tp)
+        gen = make_generator(
+            str(tiny_model_dir(name)), tp, trust_remote_code=name in SHIPS_CODE
+        )
     except Exception as exc:
         if crash and "Current vLLM config is not set" in repr(exc) + str(exc.__cause__):
             pytest.xfail(crash)

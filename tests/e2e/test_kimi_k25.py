@@ -40,7 +40,7 @@ def _batch() -> list[list[int]]:
 
 
 def _run(path: str, tp: int) -> tuple[list[int], list[dict]]:
-    generator = make_generator(path, tp)
+    generator = make_generator(path, tp, trust_remote_code="kimi" in path)
     try:
         towers = generator.executor.collective_rpc(tower_parameter_count)
         return towers, generator.generate(_batch())
@@ -73,7 +73,7 @@ _DISABLED = textwrap.dedent(
     from tests.e2e.test_kimi_k25 import _batch
 
     if __name__ == "__main__":
-        generator = make_generator(sys.argv[1], 1)
+        generator = make_generator(sys.argv[1], 1, trust_remote_code=True)
         towers = generator.executor.collective_rpc(tower_parameter_count)
         results = generator.generate(_batch())
         close_generator(generator)
@@ -105,10 +105,42 @@ def test_text_only_loading_can_be_disabled(tiny_model_dir, tmp_path):
     _assert_identical(torch.load(out), deepseek)
 
 
+def test_kimi_k25_code_runs_only_with_consent(tiny_model_dir, tmp_path, monkeypatch):
+    """The fixture ships configuration_kimi_k25.py (and an image processor):
+    refused, before anything loads, by the generator and by every command."""
+    import specshim
+
+    path = str(tiny_model_dir("kimi_k25"))
+    monkeypatch.delenv("SPECSHIM_TRUST_REMOTE_CODE", raising=False)
+    specshim.configure(trust_remote_code=False)
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    with pytest.raises(specshim.SpecShimError, match=r"configuration_kimi_k25\.py"):
+        VllmHiddenStatesGenerator(path, layer_ids=LAYERS, max_model_len=256)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    for argv in (
+        ["extract", "--model", path, "--data", str(data), "--out", str(tmp_path / "o")],
+        ["verify", "--model", path, "--out", str(tmp_path / "o")],
+        ["doctor", "--model", path],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "specshim", *argv],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 2, (argv, done.stderr[-2000:])
+        assert "configuration_kimi_k25.py (from config.json)" in done.stderr
+        assert "--trust-remote-code" in done.stderr
+        assert "Traceback" not in done.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_doctor_shows_text_only_loading_for_kimi(tiny_model_dir):
     done = subprocess.run(
-        [sys.executable, "-m", "specshim", "doctor", "--json", "--model"]
-        + [str(tiny_model_dir("kimi_k25"))],
+        [sys.executable, "-m", "specshim", "doctor", "--json", "--trust-remote-code"]
+        + ["--model", str(tiny_model_dir("kimi_k25"))],
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,4 +1,6 @@
-"""vLLM's own engine still generates the same tokens where specshim is active."""
+"""vLLM's own engine where specshim is installed: the same tokens, and in a
+process that never imports speculators the plugin only arms import hooks
+(``SPECSHIM_DISABLE=all``: not even that)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,23 @@ PROMPTS = [[5, 17, 99, 3], [200, 1, 1, 40, 41, 42], [7]]
 
 SCRIPT = """
 import json, sys
+
+def footprint(worker=None):
+    # What specshim loaded and changed in this process. Defined here, not in
+    # specshim, so that running it cannot import specshim itself.
+    mods = sys.modules
+    registry = mods.get("specshim._registry")
+    hooks = mods.get("specshim._hooks")
+    return {
+        "modules": sorted(n for n in mods if n.split(".")[0] == "specshim"),
+        "watched": sorted(getattr(hooks, "_callbacks", {})) if hooks else [],
+        "finders": sorted(type(f).__module__ for f in sys.meta_path
+                          if "specshim" in type(f).__module__),
+        "applied": [r.patch.id for r in registry.records()
+                    if r.state.value == "applied"] if registry else [],
+        "speculators": any(n.startswith("speculators") for n in mods),
+    }
+
 def main():
     if sys.argv[2] == "shim":
         import specshim
@@ -32,15 +51,18 @@ def main():
     outs = llm.generate(prompts,
                         SamplingParams(max_tokens=8, temperature=0.0))
     print("TOKENS=" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+    print("MAIN=" + json.dumps(footprint()))
+    print("WORKERS=" + json.dumps(llm.collective_rpc(footprint)))
 if __name__ == "__main__":
     main()
 """
 
 
-def _generate(path: str, mode: str) -> list[list[int]]:
-    env = dict(os.environ)
-    if mode == "plain":
-        env.update(SPECSHIM_DISABLE="all", VLLM_PLUGINS="")
+def _generate(path: str, mode: str) -> dict[str, list]:
+    env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    env.pop("SPECSHIM_DISABLE", None)
+    if mode == "off":
+        env["SPECSHIM_DISABLE"] = "all"  # the plugin is still installed and allowed
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, path, mode, json.dumps(PROMPTS)],
         env=env,
@@ -49,13 +71,38 @@ def _generate(path: str, mode: str) -> list[list[int]]:
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("TOKENS="))
-    return json.loads(line[len("TOKENS=") :])
+    found = {}
+    for key in ("TOKENS", "MAIN", "WORKERS"):
+        line = next(x for x in out.stdout.splitlines() if x.startswith(key + "="))
+        found[key] = json.loads(line[len(key) + 1 :])
+    return found
 
 
 def test_llm_generate_is_unchanged_with_specshim_active(tiny_model_dir):
     importlib.import_module("specshim")
     path = str(tiny_model_dir("llama"))
     with_shim = _generate(path, "shim")
-    assert all(len(tokens) == 8 for tokens in with_shim)
-    assert with_shim == _generate(path, "plain")
+    assert all(len(tokens) == 8 for tokens in with_shim["TOKENS"])
+    plugin_only = _generate(path, "plugin")
+    off = _generate(path, "off")
+    assert with_shim["TOKENS"] == plugin_only["TOKENS"] == off["TOKENS"]
+
+    # A plain vLLM process (speculators never imported): the plugin loaded
+    # specshim in every worker, armed hooks for speculators' two modules and
+    # applied nothing.
+    speculators = [
+        "speculators.data_generation.custom_worker",
+        "speculators.data_generation.vllm_hidden_states_generator",
+    ]
+    for where in [plugin_only["MAIN"], *plugin_only["WORKERS"]]:
+        assert not where["speculators"]
+        assert where["applied"] == []
+    for worker in plugin_only["WORKERS"]:
+        assert "specshim" in worker["modules"]
+        assert worker["watched"] == speculators
+        assert worker["finders"] == ["specshim._hooks"]
+        # Nothing heavy: no patch files, no torch-side helpers of specshim.
+        assert not any(m.startswith("specshim.patches") for m in worker["modules"])
+    # SPECSHIM_DISABLE=all: the plugin imports nothing at all.
+    for where in [off["MAIN"], *off["WORKERS"]]:
+        assert where["modules"] == [] and where["finders"] == []

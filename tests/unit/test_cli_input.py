@@ -147,3 +147,151 @@ def test_every_command_has_help_with_an_example(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert "example:" in capsys.readouterr().out
+
+
+def _one_line_error(err: str, command: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err  # one sentence, no traceback
+    assert lines[0].startswith(f"specshim {command}: error: "), err
+    return lines[0]
+
+
+def test_out_is_a_file(tmp_path, capsys, model):
+    target = tmp_path / "taken"
+    target.write_text("x")
+    code, err = _extract(
+        capsys,
+        "--model",
+        model,
+        "--data",
+        _data(tmp_path, [OK_LINE]),
+        "--out",
+        str(target),
+    )
+    assert code == 2 and "is a file; give a directory" in _one_line_error(
+        err, "extract"
+    )
+
+
+def test_out_where_no_directory_can_be_made(tmp_path, capsys, model):
+    # /proc takes no new directories, even for root (CI runs as root).
+    code, err = _extract(
+        capsys,
+        "--model",
+        model,
+        "--data",
+        _data(tmp_path, [OK_LINE]),
+        "--out",
+        "/proc/specshim-x/out",
+    )
+    assert code == 2 and "cannot create the output directory" in _one_line_error(
+        err, "extract"
+    )
+
+
+def test_non_utf8_data_names_the_line(tmp_path, capsys, model):
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(OK_LINE.encode() + b"\n" + b'{"text": "\xff\xfe"}\n')
+    code, err = _extract(
+        capsys, "--model", model, "--data", str(data), "--out", str(tmp_path / "o")
+    )
+    assert code == 2 and "d.jsonl:2: not UTF-8 text" in _one_line_error(err, "extract")
+
+
+def test_utf8_byte_order_mark_is_accepted(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b"\xef\xbb\xbf" + OK_LINE.encode() + b"\n")
+    records, total = _dataset.read_records(data)
+    assert total == 1 and records[0].data == {"input_ids": [1, 2, 3]}
+
+
+@pytest.mark.parametrize("command", ["extract", "verify"])
+def test_corrupt_data_config_is_an_error_sentence(tmp_path, capsys, model, command):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "data_config.json").write_text("{oops")
+    args = ["--model", model, "--out", str(out)]
+    if command == "extract":
+        args += ["--data", _data(tmp_path, [OK_LINE])]
+    code = main([command, *args])
+    err = capsys.readouterr().err
+    assert code == 1 and "data_config.json is corrupt" in _one_line_error(err, command)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["verify", "--samples", "-1"], "--samples -1: give a positive number"),
+        (["verify", "--model", "/nonexistent"], "--model /nonexistent: no such"),
+        (["doctor", "--model", "/nonexistent"], "--model /nonexistent: no such"),
+        (["verify", "--all"], "--all needs --data"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(tmp_path, capsys, model, argv, message):
+    command, *rest = argv
+    args = [command]
+    if command == "verify":
+        args += ["--out", str(tmp_path)]
+        if "--model" not in rest:
+            args += ["--model", model]
+    args += rest
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2 and message in _one_line_error(err, command)
+
+
+def test_version_names_the_stack(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("specshim 0.1.0, speculators 0.3.0")
+
+
+def test_table_into_a_closed_pipe_is_quiet():
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        f"{sys.executable} -m specshim table | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        executable="/bin/bash",
+    )
+    assert run.stdout.startswith("| patch |") and "Traceback" not in run.stderr
+
+
+def test_default_layers_are_distinct():
+    from specshim._extract import choose_layers
+
+    assert choose_layers(None, 6) == [2, 3, 5]  # speculators would take 2, 3, 3, 5
+    assert choose_layers(None, 32) == [2, 16, 29, 31]
+
+
+def test_summary_counts_in_words():
+    from specshim.cli import summary
+
+    one = {"written": 1, "skipped": 0, "tokens": 1, "seconds": 1.0}
+    assert "wrote 1 sample (0 already there)" in summary(one, Path("o"))
+    assert "1 token at" in summary(one, Path("o"))
+    two = one | {"written": 2, "rewritten": {"why": 2}}
+    assert "wrote 2 samples, 2 of them rewritten" in summary(two, Path("o"))
+
+
+def test_cpu_kv_space_follows_the_job_and_the_flag(monkeypatch, model):
+    from specshim._extract import ExtractOptions, cpu_kv_space, kv_bytes_per_token
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    options = ExtractOptions(model=Path(model), data=Path("d"), out=Path("o"))
+    assert kv_bytes_per_token(Path(model)) > 0
+    assert cpu_kv_space(options, 8192) == (1, "the job's need")
+    big = ExtractOptions(model=Path(model), data=Path("d"), out=Path("o"))
+    gib, _ = cpu_kv_space(big, 1 << 30)  # a huge step: capped by the machine
+    import os
+
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 1 <= gib <= available // 2 // (1 << 30)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    assert cpu_kv_space(options, 8192) == (3, "VLLM_CPU_KVCACHE_SPACE")
+    options.cpu_kv_space_gib = 2
+    assert cpu_kv_space(options, 8192) == (2, "--cpu-kv-space-gib")

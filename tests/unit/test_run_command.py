@@ -43,3 +43,39 @@ def test_run_with_an_unknown_command_is_an_error():
         text=True,
     )
     assert out.returncode == 2 and "command not found" in out.stderr
+
+
+def _python_without_specshim(tmp_path):
+    """A fresh virtual environment: a real Python that cannot import specshim."""
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")],
+        check=True,
+    )
+    return str(tmp_path / "bare" / "bin" / "python")
+
+
+def test_run_refuses_a_python_that_cannot_import_specshim(tmp_path):
+    bare = _python_without_specshim(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "specshim", "run", "--", bare, "-c", "print('ran')"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1, out
+    assert "ran" not in out.stdout
+    assert f"{bare} cannot import specshim" in out.stderr
+    assert sys.executable in out.stderr  # the Python that has it
+
+
+def test_run_refuses_a_python_child_that_cannot_import_specshim(tmp_path):
+    bare = _python_without_specshim(tmp_path)
+    parent = (
+        "import subprocess, sys; "
+        f"sys.exit(subprocess.run([{bare!r}, '-c', 'print(1)']).returncode)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "specshim", "run", "--", sys.executable, "-c", parent],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1 and "cannot import specshim" in out.stderr

@@ -190,7 +190,7 @@ def test_extract_step_budget_precedence(generator_module, monkeypatch, tmp_path)
         step_settings(options)
 
 
-def test_extract_flags_reach_the_options(monkeypatch):
+def test_extract_flags_reach_the_options(tiny_model_dir, monkeypatch):
     from specshim import cli
 
     seen = {}
@@ -204,7 +204,7 @@ def test_extract_flags_reach_the_options(monkeypatch):
         [
             "extract",
             "--model",
-            "m",
+            str(tiny_model_dir("llama")),
             "--data",
             "d.jsonl",
             "--out",

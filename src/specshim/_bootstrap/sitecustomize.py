@@ -4,6 +4,10 @@
 process it starts (and their Python children, which inherit the variable)
 imports specshim before any user code. Another ``sitecustomize`` further down
 the path is still run afterwards.
+
+A Python that cannot import specshim (another environment's interpreter found
+first on PATH, say) must not run the program unpatched: it exits with status
+1 and says which interpreter it is and how to fix it.
 """
 
 import importlib.machinery
@@ -11,7 +15,17 @@ import importlib.util
 import os
 import sys
 
-import specshim  # noqa: F401  (arms the patches)
+try:
+    import specshim  # noqa: F401  (arms the patches)
+except Exception as exc:  # noqa: BLE001 - any failure means "not patched"
+    sys.stderr.write(
+        f"specshim run: error: {sys.executable} cannot import specshim ({exc!r}), "
+        "so it would run the program without the patches. Run the program with "
+        f"the Python that has specshim ({os.environ.get('SPECSHIM_RUN_PYTHON', '?')}"
+        "), or install specshim into this one.\n"
+    )
+    sys.stderr.flush()
+    os._exit(1)
 
 _here = os.path.dirname(os.path.abspath(__file__))
 _rest = [p for p in sys.path if os.path.abspath(p or ".") != _here]

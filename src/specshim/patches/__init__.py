@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 
 MAIN = (
+    "remote_code_gate",
+    "remote_code_tokenizer",
     "scheduler_config_initvars",
     "chunked_prefill_off",
     "async_scheduling_off",

@@ -81,3 +81,4 @@ def tamper_captured_rows(worker: Any, mode: str | None) -> None:
 
     worker._specshim_test_untampered = store
     worker._store_captured_states = store_captured_states
+

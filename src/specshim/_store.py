@@ -1,0 +1,290 @@
+"""The output directory of ``extract``: what is in it, proven by content.
+
+Layout of ``OUT``::
+
+    data_config.json              the run settings, fixed by the first sample written
+    data_{i}.pt                   sample i of the dataset (speculators' format)
+    .data_{i}.{run}.partial       a file being written by run ``run``
+    .specshim/manifest/{run}.jsonl  one line per file that run wrote
+    .specshim/runs/{run}          heartbeat of a live run (touched every 30 s)
+
+A ``data_{i}.pt`` counts as done only if a manifest line describes *this* file
+(same inode, size and modification time: a truncated, edited or foreign file
+matches none) and says it holds the tokens and loss mask that sample i of the
+dataset has now. Nothing here reads an output file: the check costs one
+``stat`` per file and one pass over the manifests.
+
+Runs are named ``{host}-{pid}-{random}``; a run only ever removes its own
+temporary files, or those of a run whose heartbeat has stopped (on this host:
+whose process is gone), so any number of shards, on any number of hosts
+sharing the directory, can write into it at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specshim._errors import SpecShimError, UsageError
+
+CONFIG_NAME = "data_config.json"
+META = ".specshim"
+HEARTBEAT_SECONDS = 30.0
+STALE_AFTER = 300.0  # a heartbeat older than this belongs to a dead run
+
+_DATA = re.compile(r"^data_(\d+)\.pt$")
+_PARTIAL = re.compile(
+    r"^\.(?:data_\d+\.pt|data_config\.json)\.(?P<run>[^.]+)\.partial$"
+)
+
+
+def final_path(out: Path, index: int) -> Path:
+    return out / f"data_{index}.pt"
+
+
+def token_digest(input_ids: list[int], loss_mask: list[int]) -> str:
+    """A fingerprint of a sample's content: its tokens and its loss mask."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(json.dumps([input_ids, loss_mask], separators=(",", ":")).encode())
+    return digest.hexdigest()
+
+
+def record_digest(record: dict[str, Any]) -> str:
+    """A fingerprint of a dataset record as parsed (key order and spacing aside).
+
+    With the same tokenizer and settings (fixed in ``data_config.json``), the
+    same record always becomes the same tokens; a rerun uses this to skip
+    tokenizing what it already holds.
+    """
+    text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What a run recorded about one file it wrote."""
+
+    index: int
+    tokens: str  # token_digest of the sample
+    record: str  # record_digest of the dataset record it came from
+    size: int
+    inode: int
+    mtime_ns: int
+    num_tokens: int
+
+    def describes(self, stat: os.stat_result) -> bool:
+        return (self.size, self.inode, self.mtime_ns) == (
+            stat.st_size,
+            stat.st_ino,
+            stat.st_mtime_ns,
+        )
+
+
+def prepare_out(out: Path) -> None:
+    """Create ``out`` (and its metadata folder) or say in one sentence why not."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a directory")
+    try:
+        (out / META / "manifest").mkdir(parents=True, exist_ok=True)
+        (out / META / "runs").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(
+            f"--out {out}: cannot create the output directory ({exc.strerror})"
+        ) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: the directory is not writable")
+
+
+def read_config(out: Path) -> dict[str, Any] | None:
+    """``data_config.json`` of ``out``; None if there is none yet."""
+    path = out / CONFIG_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecShimError(f"{path}: cannot read it ({exc})") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecShimError(
+            f"{path} is corrupt ({exc.msg} at line {exc.lineno}); it is not "
+            "specshim's. Restore it, or use a new --out."
+        ) from None
+    if not isinstance(config, dict):
+        raise SpecShimError(f"{path} is corrupt: not a JSON object")
+    return config
+
+
+class Run:
+    """One ``extract`` process's hold on an output directory."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+        self.host = host
+        self.id = f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.heartbeat = out / META / "runs" / self.id
+        self.manifest = out / META / "manifest" / f"{self.id}.jsonl"
+        self._manifest_handle: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- liveness ---------------------------------------------------------
+
+    def start(self) -> None:
+        self.heartbeat.write_text(json.dumps({"pid": os.getpid(), "host": self.host}))
+        self._thread = threading.Thread(
+            target=self._beat, name="specshim-heartbeat", daemon=True
+        )
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            with contextlib.suppress(OSError):
+                os.utime(self.heartbeat)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._manifest_handle is not None:
+            self._manifest_handle.close()
+            self._manifest_handle = None
+        self.heartbeat.unlink(missing_ok=True)
+        for leftover in self.out.glob(f".*.{self.id}.partial"):
+            leftover.unlink(missing_ok=True)
+
+    def is_live(self, run: str) -> bool:
+        """Whether run ``run`` may still be writing (never guesses 'dead' early)."""
+        if run == self.id:
+            return True
+        beat = self.out / META / "runs" / run
+        try:
+            age = time.time() - beat.stat().st_mtime
+        except FileNotFoundError:
+            age = float("inf")
+        host, _, rest = run.rpartition("-")[0].rpartition("-")
+        if host == self.host and rest.isdigit():
+            return _pid_alive(int(rest)) and age < STALE_AFTER * 10
+        return age < STALE_AFTER
+
+    def remove_dead_partials(self) -> int:
+        """Delete temporary files of runs that are gone; returns how many."""
+        removed = 0
+        for path in self.out.iterdir():
+            match = _PARTIAL.match(path.name)
+            if match and not self.is_live(match["run"]):
+                path.unlink(missing_ok=True)
+                removed += 1
+        runs = self.out / META / "runs"
+        for beat in runs.iterdir():
+            if not self.is_live(beat.name):
+                beat.unlink(missing_ok=True)
+        return removed
+
+    # -- writing ----------------------------------------------------------
+
+    def partial_path(self, name: str) -> Path:
+        return self.out / f".{name}.{self.id}.partial"
+
+    def publish_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Create ``data_config.json`` unless it exists; return the one in force.
+
+        Created with a hard link from a temporary file, which fails if another
+        run created it first: exactly one run's settings win.
+        """
+        existing = read_config(self.out)
+        if existing is not None:
+            return existing
+        tmp = self.partial_path(CONFIG_NAME)
+        tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        try:
+            os.link(tmp, self.out / CONFIG_NAME)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+        return read_config(self.out) or config
+
+    def record(self, entry: Entry) -> None:
+        """Append ``entry`` to this run's manifest (flushed before the rename)."""
+        if self._manifest_handle is None:
+            self._manifest_handle = self.manifest.open("a", encoding="utf-8")
+        line = json.dumps(
+            [
+                entry.index,
+                entry.tokens,
+                entry.record,
+                entry.size,
+                entry.inode,
+                entry.mtime_ns,
+                entry.num_tokens,
+            ]
+        )
+        self._manifest_handle.write(line + "\n")
+        self._manifest_handle.flush()
+        os.fsync(self._manifest_handle.fileno())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def existing_files(
+    out: Path, wanted: set[int] | None = None
+) -> dict[int, os.stat_result]:
+    """``stat`` of every ``data_{i}.pt`` in ``out`` (only ``wanted`` ones if given)."""
+    found = {}
+    with os.scandir(out) as entries:
+        for item in entries:
+            match = _DATA.match(item.name)
+            if not match:
+                continue
+            index = int(match.group(1))
+            if wanted is None or index in wanted:
+                with contextlib.suppress(FileNotFoundError):
+                    found[index] = item.stat(follow_symlinks=False)
+    return found
+
+
+def manifest_lines(out: Path) -> Iterator[Entry]:
+    """Every entry of every run's manifest; a torn last line is skipped."""
+    folder = out / META / "manifest"
+    if not folder.is_dir():
+        return
+    for path in sorted(folder.glob("*.jsonl")):
+        with path.open(encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                try:
+                    fields = json.loads(line)
+                    yield Entry(*fields)
+                except (json.JSONDecodeError, TypeError):
+                    continue  # a run killed mid-line
+
+
+def proven_files(out: Path, files: dict[int, os.stat_result]) -> dict[int, Entry]:
+    """The entry that describes each existing file as it is now, if any."""
+    proven: dict[int, Entry] = {}
+    for entry in manifest_lines(out):
+        stat = files.get(entry.index)
+        if stat is not None and entry.describes(stat):
+            proven[entry.index] = entry
+    return proven
