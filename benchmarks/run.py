@@ -241,10 +241,16 @@ def reference_states(model: Path, workload: Path) -> dict[int, list[Any]]:
 def agreement(states_file: str, reference: dict[int, list[Any]]) -> dict[str, Any]:
     import torch
 
-    from specshim.testing.reference import TOKEN_COSINE, per_token_cosine
+    from specshim.testing.reference import (
+        TOKEN_COSINE,
+        TOKEN_NORM,
+        norm_ratio,
+        per_token_cosine,
+    )
 
     states = torch.load(states_file)
     means, lows, bad, total = [], [], 0, 0
+    norm_errors, off_norm = [], 0
     missing = sorted(set(reference) - set(states))
     for index, ref_layers in reference.items():
         if index not in states:
@@ -259,6 +265,9 @@ def agreement(states_file: str, reference: dict[int, list[Any]]) -> dict[str, An
             means.append(cos.mean().item())
             lows.append(cos.min().item())
             bad += int((cos < TOKEN_COSINE).sum())
+            ratio = norm_ratio(got, ref)
+            norm_errors.append(abs(ratio.mean().item() - 1))
+            off_norm += int(((ratio - 1).abs() > TOKEN_NORM).sum())
             total += cos.numel()
     return {
         "rows": len(reference) - len(missing),
@@ -267,6 +276,8 @@ def agreement(states_file: str, reference: dict[int, list[Any]]) -> dict[str, An
         "min_layer_mean": min(means) if means else None,
         "min_token_cosine": min(lows) if lows else None,
         "tokens_under_0_95": bad,
+        "max_mean_norm_error": max(norm_errors) if norm_errors else None,
+        "tokens_off_in_norm": off_norm,
         "tokens": total,
     }
 
@@ -446,15 +457,21 @@ def _sweep_point(
 
 def _agrees(agreement: dict[str, Any] | None) -> bool:
     # The e2e bar's thresholds (specshim.testing.reference), over the whole
-    # sample: every sampled row present, each layer's mean cosine >= MEAN_COSINE,
-    # at most SHARE_BELOW of the tokens under TOKEN_COSINE.
-    from specshim.testing.reference import MEAN_COSINE, SHARE_BELOW
+    # sample: every sampled row present, each layer's mean cosine >= MEAN_COSINE
+    # and mean norm ratio within MEAN_NORM of 1, at most SHARE_BELOW of the
+    # tokens under TOKEN_COSINE, and as many off in norm by over TOKEN_NORM. Results
+    # recorded before norms were compared carry no norm figures; they are
+    # judged on direction alone and say so (``_agreement_text``).
+    from specshim.testing.reference import MEAN_COSINE, MEAN_NORM, SHARE_BELOW
 
     if not agreement or "error" in agreement or agreement["missing_rows"]:
         return False
+    allowed = SHARE_BELOW * agreement["tokens"]
     return (
         agreement["min_layer_mean"] >= MEAN_COSINE
-        and agreement["tokens_under_0_95"] <= SHARE_BELOW * agreement["tokens"]
+        and agreement["tokens_under_0_95"] <= allowed
+        and agreement.get("max_mean_norm_error", 0.0) <= MEAN_NORM
+        and agreement.get("tokens_off_in_norm", 0) <= allowed
     )
 
 
@@ -464,9 +481,13 @@ def _agreement_text(row: dict[str, Any]) -> str:
         return a["error"]
     if not a:
         return "-"
+    norm = a.get("max_mean_norm_error")
+    norm_text = (
+        f"norm off by {norm:.1%} at most" if norm is not None else "norms not recorded"
+    )
     return (
-        f"cos mean {a['mean_cosine']:.4f}, min token {a['min_token_cosine']:.3f}; "
-        f"{row['rows_misplaced']} of {row['rows']} rows misplaced"
+        f"cos mean {a['mean_cosine']:.4f}, min token {a['min_token_cosine']:.3f}, "
+        f"{norm_text}; {row['rows_misplaced']} of {row['rows']} rows misplaced"
     )
 
 

@@ -93,11 +93,11 @@ def _print_summary(
     report: dict[str, Any],
     total: float,
     counts: dict[str, Any],
-    stats: dict[int, tuple[float, float]],
+    stats: dict[int, tuple[float, float, float]],
     failures: list[str],
     out: Path,
 ) -> None:
-    from specshim.testing.reference import MEAN_COSINE
+    from specshim.testing.reference import MEAN_COSINE, MEAN_NORM
 
     applied = [p["id"] for p in report["patches"] if p["state"] == "applied"]
     rate = counts["tokens"] / counts["seconds"] if counts["seconds"] else 0.0
@@ -111,11 +111,13 @@ def _print_summary(
         f"  extraction:       {counts['tokens']} tokens at {rate:,.0f} tok/s"
         f" ({total:.1f} s including model start-up)",
         "",
-        "  layer   mean cosine vs HF   tokens >= 0.95   verdict",
+        "  layer   mean cosine vs HF   tokens >= 0.95   norm ratio   verdict",
     ]
-    for layer, (mean, share) in stats.items():
-        verdict = "ok" if mean >= MEAN_COSINE else "MISMATCH"
-        lines.append(f"  {layer:>5}   {mean:>17.4f}   {share:>14.1%}   {verdict}")
+    for layer, (mean, share, ratio) in stats.items():
+        good = mean >= MEAN_COSINE and abs(ratio - 1) <= MEAN_NORM
+        verdict = "ok" if good else "MISMATCH"
+        row = f"  {layer:>5}   {mean:>17.4f}   {share:>14.1%}   {ratio:>10.3f}"
+        lines.append(f"{row}   {verdict}")
     lines += [f"  MISMATCH {failure}" for failure in failures]
     lines.append("  every sample agrees with HF" if not failures else "  demo FAILED")
     print("\n".join(lines), file=sys.stdout, flush=True)

@@ -56,8 +56,16 @@ def report() -> dict[str, Any]:
         "disabled": os.environ.get("SPECSHIM_DISABLE", ""),
         "patches": patches,
         "settings": settings(),
+        "contract": capture_contract(),
         "advice": _advice(patches),
     }
+
+
+def capture_contract() -> list[dict[str, str]]:
+    """What every worker checks before capturing (patch ``capture-contract``)."""
+    from specshim.patches.worker.capture_contract import CONTRACT
+
+    return [{"term": t, "why": why, "how": how} for t, why, how in CONTRACT]
 
 
 def _advice(patches: list[dict[str, Any]]) -> list[str]:
@@ -117,6 +125,12 @@ def format_report(data: dict[str, Any] | None = None) -> str:
             lines.append(
                 f"  {name:<22}  {value!s:<8}  {item['source']} ({item['env']})"
             )
+    if data.get("contract"):
+        lines += [
+            "",
+            "  capture contract (checked in every worker at generator set-up):",
+        ]
+        lines += [f"    - {item['term']}: {item['why']}" for item in data["contract"]]
     if data["advice"]:
         lines += ["", "What to do:"] + [f"  - {line}" for line in data["advice"]]
     else:

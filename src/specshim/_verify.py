@@ -15,15 +15,22 @@ _NAME = re.compile(r"^data_(\d+)\.pt$")
 
 def agreement(
     model: Path, files: list[tuple[int, Path]], layers: list[int]
-) -> tuple[dict[int, tuple[float, float]], list[str]]:
-    """Per-layer (mean cosine, share of tokens >= 0.95) over ``files`` against an
-    HF forward, and the files that fail the per-sample bar (``mismatch``)."""
+) -> tuple[dict[int, tuple[float, float, float]], list[str]]:
+    """Per-layer (mean cosine, share of tokens >= 0.95, mean norm ratio) over
+    ``files`` against an HF forward, and the files that fail the per-sample bar
+    (``mismatch``: direction and length)."""
     import torch
 
-    from specshim.testing.reference import HFReference, mismatch, per_token_cosine
+    from specshim.testing.reference import (
+        HFReference,
+        mismatch,
+        norm_ratio,
+        per_token_cosine,
+    )
 
     reference = HFReference(str(model))
     per_layer: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+    ratios: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     failures = []
     for index, path in files:
         try:
@@ -41,12 +48,19 @@ def agreement(
         ):
             if got.shape == want.shape:
                 per_layer[layer].append(per_token_cosine(got, want))
+                ratios[layer].append(norm_ratio(got, want))
             else:
                 per_layer[layer].append(torch.zeros(len(ids)))
+                ratios[layer].append(torch.zeros(len(ids)))
     stats = {}
     for layer, parts in per_layer.items():
         cos = torch.cat(parts) if parts else torch.zeros(1)
-        stats[layer] = (cos.mean().item(), (cos >= 0.95).float().mean().item())
+        ratio = torch.cat(ratios[layer]) if ratios[layer] else torch.zeros(1)
+        stats[layer] = (
+            cos.mean().item(),
+            (cos >= 0.95).float().mean().item(),
+            ratio.mean().item(),
+        )
     return stats, failures
 
 
@@ -166,9 +180,9 @@ def verify(model: Path, out: Path, samples: int, seed: int) -> int:
     print(
         f"verify: {len(chosen)} of {len(files)} samples in {out} against HF ({model})"
     )
-    print("  layer   mean cosine   tokens >= 0.95")
-    for layer, (mean, share) in stats.items():
-        print(f"  {layer:>5}   {mean:>11.4f}   {share:>14.1%}")
+    print("  layer   mean cosine   tokens >= 0.95   norm ratio")
+    for layer, (mean, share, ratio) in stats.items():
+        print(f"  {layer:>5}   {mean:>11.4f}   {share:>14.1%}   {ratio:>10.3f}")
     for failure in failures:
         print(f"  MISMATCH {failure}")
     print("verify: " + ("FAILED" if failures else "ok"))

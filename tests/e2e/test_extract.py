@@ -181,8 +181,13 @@ def test_output_loads_with_speculators_training_dataset(
     shifted = torch.load(out / "data_3.pt", weights_only=True)
     shifted["hidden_states"] = [h.roll(1, dims=0) for h in shifted["hidden_states"]]
     torch.save(shifted, out / "data_3.pt")
+    # ... and states right in direction but scaled by 0.4.
+    scaled = torch.load(out / "data_4.pt", weights_only=True)
+    scaled["hidden_states"] = [h * 0.4 for h in scaled["hidden_states"]]
+    torch.save(scaled, out / "data_4.pt")
     bad = subprocess.run(verify, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 1 and "MISMATCH data_3.pt" in bad.stdout, bad.stdout
+    assert "MISMATCH data_4.pt" in bad.stdout and "norm ratio 0.40" in bad.stdout
 
 
 def test_kill_9_mid_run_then_resume_writes_each_sample_once(

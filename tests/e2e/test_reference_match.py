@@ -14,6 +14,7 @@ import pytest
 
 import specshim
 from specshim.testing.worker_probes import (
+    pad_steps,
     sort_steps_by_token_count,
     tamper_captured_rows,
 )
@@ -103,6 +104,10 @@ def test_checks_reject_a_one_row_shift(generator, hf_reference, tiny_model_dir):
         for k, h in enumerate(results[1]["hidden_states"])
     ]
     assert mismatch(shifted, expected) is not None
+    # A constant factor (float16 DeepSeek layers capture the state x 0.4) keeps
+    # every cosine at 1: the norm comparison must still fail it.
+    scaled = [h * 0.4 for h in results[1]["hidden_states"]]
+    assert mismatch(scaled, expected) is not None
 
 
 def test_rows_laid_out_by_token_count_come_back_in_input_order(
@@ -135,5 +140,19 @@ def test_rows_dropped_or_repeated_in_the_worker_are_refused(generator, mode):
     finally:
         generator.executor.collective_rpc(tamper_captured_rows, args=(None,))
     # The generator is still usable, and right, afterwards.
+    again = generator.generate(batch)
+    assert [len(r["hidden_states"][0]) for r in again] == list(map(len, batch))
+
+
+def test_padded_steps_are_refused(generator):
+    """A runner that pads each step (CUDA graphs, DP, sequence parallelism do)
+    adds rows no sequence owns: every step's rows must be its tokens."""
+    batch = _seqs(random.Random(10), 4, 5, 40)
+    generator.executor.collective_rpc(pad_steps, args=(3,))
+    try:
+        with pytest.raises(specshim.SpecShimError, match="belong to no input"):
+            generator.generate(batch)
+    finally:
+        generator.executor.collective_rpc(pad_steps, args=(0,))
     again = generator.generate(batch)
     assert [len(r["hidden_states"][0]) for r in again] == list(map(len, batch))

@@ -66,6 +66,11 @@ def test_agreement_bar_is_the_e2e_bar(bench):
     assert not bench._agrees(dict(GOOD, tokens_under_0_95=101))
     assert not bench._agrees({"error": "row 3: shape (5, 256) vs (6, 256)"})
     assert not bench._agrees(None)
+    measured = dict(GOOD, max_mean_norm_error=0.01, tokens_off_in_norm=0)
+    assert bench._agrees(measured)
+    # A constant factor keeps every cosine at 1 and still fails: states x 0.4.
+    assert not bench._agrees(dict(measured, max_mean_norm_error=0.6))
+    assert not bench._agrees(dict(measured, tokens_off_in_norm=101))
 
 
 def test_extract_defaults_are_the_committed_benchmarks_choice():

@@ -32,6 +32,7 @@ WORKER = (
     "capture_hooks",
     "row_provenance",
     "row_provenance_rpc",
+    "capture_contract",
 )
 
 

@@ -83,6 +83,11 @@ def per_token_cosine(a: Any, b: Any) -> Any:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
 
 
+def norm_ratio(got: Any, want: Any) -> Any:
+    """Per token: the captured state's length over the reference's."""
+    return got.float().norm(dim=-1) / want.float().norm(dim=-1).clamp_min(1e-12)
+
+
 MEAN_COSINE = 0.98
 TOKEN_COSINE = 0.95
 # Tokens allowed under TOKEN_COSINE: 10% of the sequence, and at least one.
@@ -92,22 +97,43 @@ TOKEN_COSINE = 0.95
 # The mean bar applies to every sequence; misplaced rows score near 0 on most
 # tokens and fail both bars.
 SHARE_BELOW = 0.1
+# Cosine is blind to a constant factor (float16 DeepSeek layers capture the
+# state times 1/routed_scaling_factor): lengths are compared too. Tokens whose
+# norm is off by more than TOKEN_NORM get the same allowance as low-cosine
+# ones (a routing flip moves both); the sequence's mean ratio must be within
+# MEAN_NORM of 1. Measured on the tiny models (bfloat16 vLLM vs float32 HF,
+# 40,794 tokens a model): Llama ratios 0.993-1.001; DeepSeek-V3 one token in
+# 40,794 off by over 10%, sequence means within 0.3%.
+TOKEN_NORM = 0.1
+MEAN_NORM = 0.05
 
 
 def mismatch(captured: list[Any], expected: list[Any]) -> str | None:
-    """None if captured layers match the reference per token, else why not."""
+    """None if captured layers match the reference per token, else why not.
+
+    Direction (cosine) and length (norm ratio) are both checked, per token and
+    per sequence.
+    """
     if len(captured) != len(expected):
         return f"{len(captured)} layers captured, {len(expected)} expected"
     for k, (got, want) in enumerate(zip(captured, expected, strict=True)):
         if tuple(got.shape) != tuple(want.shape):
             return f"layer #{k}: shape {tuple(got.shape)} != {tuple(want.shape)}"
         cos = per_token_cosine(got, want)
+        ratio = norm_ratio(got, want)
         mean = cos.mean().item()
+        mean_ratio = ratio.mean().item()
         low = int((cos < TOKEN_COSINE).sum().item())
+        off = int(((ratio - 1).abs() > TOKEN_NORM).sum().item())
         allowed = max(1, int(SHARE_BELOW * len(cos)))
         if mean < MEAN_COSINE or low > allowed:
             return (
                 f"layer #{k}: mean cosine {mean:.4f}, {low} of {len(cos)} tokens "
                 f"under {TOKEN_COSINE} (allowed {allowed})"
+            )
+        if abs(mean_ratio - 1) > MEAN_NORM or off > allowed:
+            return (
+                f"layer #{k}: mean norm ratio {mean_ratio:.3f}, {off} of {len(cos)} "
+                f"tokens off in norm by over {TOKEN_NORM:.0%} (allowed {allowed})"
             )
     return None

@@ -82,3 +82,30 @@ def tamper_captured_rows(worker: Any, mode: str | None) -> None:
     worker._specshim_test_untampered = store
     worker._store_captured_states = store_captured_states
 
+
+def pad_steps(worker: Any, rows: int) -> None:
+    """Pad every forward's input with ``rows`` extra tokens (id 0, position 0),
+    as a runner that pads a step to a captured or aligned size does; ``rows=0``
+    stops. The padded rows run through every layer, so the capture sees them.
+    """
+    model = worker.model_runner.model
+    handle = getattr(model, "_specshim_test_padding", None)
+    if handle is not None:
+        handle.remove()
+        del model._specshim_test_padding
+    if not rows:
+        return
+
+    def pad(module: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        import torch
+
+        ids, positions = kwargs.get("input_ids"), kwargs.get("positions")
+        if ids is None or positions is None or positions.dim() != 1:
+            raise RuntimeError("pad_steps: expected input_ids and 1-D positions")
+        kwargs["input_ids"] = torch.cat([ids, ids.new_zeros(rows)])
+        kwargs["positions"] = torch.cat([positions, positions.new_zeros(rows)])
+        return args, kwargs
+
+    model._specshim_test_padding = model.register_forward_pre_hook(
+        pad, with_kwargs=True
+    )

@@ -1,0 +1,28 @@
+"""The capture contract on the real CPU backend: float16 DeepSeek-family
+layers rescale their residual stream, so the generator refuses them at set-up
+(vLLM's CPU backend runs float16 on x86 and aarch64)."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+
+from .conftest import make_generator
+
+pytestmark = pytest.mark.e2e
+
+
+def test_float16_deepseek_is_refused_before_anything_is_captured(tmp_path):
+    from specshim.testing.tiny_models import build_deepseek_v3
+
+    path = build_deepseek_v3(tmp_path / "deepseek-fp16", routed_scaling_factor=2.5)
+    config = json.loads((path / "config.json").read_text())
+    config.update(torch_dtype="float16", dtype="float16")  # dtype="auto" -> fp16
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match="run the model in bfloat16") as refused:
+        make_generator(str(path), 1)
+    message = str(refused.value)
+    assert "routed_scaling_factor 2.5" in message
+    gc.collect()  # the half-built generator shuts its worker down

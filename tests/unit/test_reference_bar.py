@@ -1,0 +1,28 @@
+"""The agreement bar judges length as well as direction."""
+
+from __future__ import annotations
+
+import torch
+
+from specshim.testing.reference import mismatch
+
+
+def _states(seed: int = 0, n: int = 40) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 64, generator=generator) for _ in range(3)]
+
+
+def test_identical_states_pass_and_scaled_states_fail():
+    want = _states()
+    assert mismatch(want, want) is None
+    for factor in (0.4, 2.5, 0.9, 1.1):  # 0.4: float16 DeepSeek's 1/2.5
+        why = mismatch([h * factor for h in want], want)
+        assert why is not None and "norm ratio" in why, factor
+
+
+def test_a_few_tokens_off_in_norm_are_tolerated_like_low_cosines():
+    want = _states()
+    for off, allowed in ((4, True), (5, False)):  # 4 of 40 tokens: the share
+        got = [h.clone() for h in want]
+        got[0][:off] *= 1.3  # the mean ratio stays within 5%
+        assert (mismatch(got, want) is None) is allowed, off
