@@ -48,7 +48,7 @@ def run(cache: Path | None = None) -> int:
 
     import specshim
     from specshim._extract import ExtractOptions, extract
-    from specshim._verify import agreement, written_files
+    from specshim._verify import hf_agreement, written_files
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -84,7 +84,7 @@ def run(cache: Path | None = None) -> int:
         )
     )
     total = time.perf_counter() - started
-    stats, failures = agreement(model, written_files(out), LAYERS)
+    stats, failures = hf_agreement(model, written_files(out), LAYERS)
     _print_summary(specshim.report(), total, counts, stats, failures, out)
     return 1 if failures else 0
 

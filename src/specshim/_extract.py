@@ -210,6 +210,7 @@ def _config(identity: dict[str, Any], options: ExtractOptions) -> dict[str, Any]
     config = dict(identity)
     config.update(
         model=str(options.model.resolve()),
+        tensor_parallel_size=options.tp,
         format="speculators-0.3.0 hidden states (data_{i}.pt per sample)",
         files="data_{i}.pt holds sample i of the dataset",
         hidden_states="one tensor per layer, in the order of 'layers'",

@@ -1,4 +1,10 @@
-"""``specshim verify``: recompute written samples with Hugging Face transformers."""
+"""``specshim verify``: check written samples.
+
+By default a few samples are recomputed, with a bounded Hugging Face forward
+or alone through the run's own generator (``specshim._references``), and
+compared per token and per layer; ``--all`` loads every file and checks it
+against the dataset and the run's settings.
+"""
 
 from __future__ import annotations
 
@@ -14,21 +20,15 @@ _NAME = re.compile(r"^data_(\d+)\.pt$")
 
 
 def agreement(
-    model: Path, files: list[tuple[int, Path]], layers: list[int]
+    reference: Any, files: list[tuple[int, Path]], layers: list[int]
 ) -> tuple[dict[int, tuple[float, float, float]], list[str]]:
     """Per-layer (mean cosine, share of tokens >= 0.95, mean norm ratio) over
-    ``files`` against an HF forward, and the files that fail the per-sample bar
-    (``mismatch``: direction and length)."""
+    ``files`` against ``reference.states(ids, layers)``, and the files that fail
+    the per-sample bar (``mismatch``: direction and length)."""
     import torch
 
-    from specshim.testing.reference import (
-        HFReference,
-        mismatch,
-        norm_ratio,
-        per_token_cosine,
-    )
+    from specshim.testing.reference import mismatch, norm_ratio, per_token_cosine
 
-    reference = HFReference(str(model))
     per_layer: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     ratios: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     failures = []
@@ -62,6 +62,15 @@ def agreement(
             ratio.mean().item(),
         )
     return stats, failures
+
+
+def hf_agreement(
+    model: Path, files: list[tuple[int, Path]], layers: list[int]
+) -> tuple[dict[int, tuple[float, float, float]], list[str]]:
+    """``agreement`` against the bounded HF reference (what ``demo`` uses)."""
+    from specshim._references import HFBounded
+
+    return agreement(HFBounded(model, layers), files, layers)
 
 
 def written_files(out: Path) -> list[tuple[int, Path]]:
@@ -169,21 +178,42 @@ def verify_all(model: Path, out: Path, data: Path) -> tuple[int, list[str]]:
     return (1 if bad else 0), lines
 
 
-def verify(model: Path, out: Path, samples: int, seed: int) -> int:
-    """Print per-layer agreement for ``samples`` files; 1 if any disagrees."""
-    layers = run_config(out)["layers"]
+def verify(
+    model: Path,
+    out: Path,
+    samples: int,
+    seed: int,
+    reference: str = "auto",
+    tp: int | None = None,
+) -> tuple[int, list[str]]:
+    """Per-layer agreement for ``samples`` files, as lines; 1 if any disagrees."""
+    from specshim import _references
+
+    config = run_config(out)
+    layers = config["layers"]
     files = written_files(out)
     if not files:
         raise SpecShimError(f"{out}: no data_{{i}}.pt files to verify")
+    mode, why = _references.choose(reference, model, layers)
     chosen = sorted(random.Random(seed).sample(files, min(samples, len(files))))
-    stats, failures = agreement(model, chosen, layers)
-    print(
-        f"verify: {len(chosen)} of {len(files)} samples in {out} against HF ({model})"
+    lines = [f"verify: reference {mode} ({why})"]
+    tp = int(tp or config.get("tensor_parallel_size") or 1)
+    if mode == "hf":
+        recompute: Any = _references.HFBounded(model, layers)
+        what = f"a Hugging Face forward of {model}, layers 0..{max(layers)}"
+    else:
+        recompute = _references.Solo(model, layers, config["max_model_len"], tp)
+        what = f"the generator alone, one sample a call (TP={tp})"
+    try:
+        stats, failures = agreement(recompute, chosen, layers)
+    finally:
+        recompute.close()
+    lines.append(
+        f"verify: {len(chosen)} of {len(files)} samples in {out} against {what}"
     )
-    print("  layer   mean cosine   tokens >= 0.95   norm ratio")
+    lines.append("  layer   mean cosine   tokens >= 0.95   norm ratio")
     for layer, (mean, share, ratio) in stats.items():
-        print(f"  {layer:>5}   {mean:>11.4f}   {share:>14.1%}   {ratio:>10.3f}")
-    for failure in failures:
-        print(f"  MISMATCH {failure}")
-    print("verify: " + ("FAILED" if failures else "ok"))
-    return 1 if failures else 0
+        lines.append(f"  {layer:>5}   {mean:>11.4f}   {share:>14.1%}   {ratio:>10.3f}")
+    lines += [f"  MISMATCH {failure}" for failure in failures]
+    lines.append("verify: " + ("FAILED" if failures else "ok"))
+    return (1 if failures else 0), lines

@@ -180,16 +180,24 @@ def _verify(args: argparse.Namespace) -> int:
     samples = args.samples
     if samples is not None and samples < 1:
         raise UsageError(f"--samples {samples}: give a positive number")
+    if args.tp is not None and args.tp < 1:
+        raise UsageError(f"--tp {args.tp}: give a positive number")
+    if args.all and not args.data:
+        raise UsageError("--all needs --data: the dataset the files came from")
+    code = 0
     if args.all:
-        if not args.data:
-            raise UsageError("--all needs --data: the dataset the files came from")
         with _stdout_to_stderr():
             code, lines = verify_all(model, Path(args.out), Path(args.data))
-        print("\n".join(lines))
+        print("\n".join(lines), flush=True)
         if samples is None:
             return code
-        return max(code, verify(model, Path(args.out), samples, args.seed))
-    return verify(model, Path(args.out), 8 if samples is None else samples, args.seed)
+    count = 8 if samples is None else samples
+    with _stdout_to_stderr():  # vLLM logs while the solo reference runs
+        checked, lines = verify(
+            model, Path(args.out), count, args.seed, args.reference, args.tp
+        )
+    print("\n".join(lines), flush=True)
+    return max(code, checked)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -315,9 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     verify = _command(
         commands,
         "verify",
-        "Recompute written samples with Hugging Face transformers and report "
-        "per-layer agreement; non-zero exit on disagreement.",
-        "specshim verify --model /models/tiny --out hs/ --samples 8",
+        "Recompute written samples (a bounded Hugging Face forward, or each "
+        "sample alone through the generator) and report per-layer agreement; "
+        "--all checks every file against the dataset. Non-zero exit on any "
+        "disagreement.",
+        "specshim verify --model /models/tiny --out hs/ --samples 8 --reference auto",
     )
     verify.add_argument("--model", required=True)
     verify.add_argument("--out", required=True, help="a directory written by extract")
@@ -333,6 +343,19 @@ def build_parser() -> argparse.ArgumentParser:
         "against the run's settings; name each bad or missing file",
     )
     verify.add_argument("--data", help="the dataset extract read (for --all)")
+    verify.add_argument(
+        "--reference",
+        choices=("auto", "hf", "solo"),
+        default="auto",
+        help="recompute with a Hugging Face forward of the layers up to the "
+        "deepest captured one (hf), or each sample alone through the run's own "
+        "generator (solo, any model and TP size); auto: hf if it fits in memory",
+    )
+    verify.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel size for --reference solo (default: the run's)",
+    )
     verify.add_argument("--seed", type=int, default=0, help="which samples to pick")
     _trust_flag(verify)
     verify.set_defaults(func=_verify)

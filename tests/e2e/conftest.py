@@ -94,10 +94,14 @@ def vllm_minor() -> tuple[int, ...]:
 
 @pytest.fixture(autouse=True)
 def _known_upstream_cpu_defects(request: pytest.FixtureRequest) -> None:
-    """Strict xfail where vLLM's CPU backend itself is wrong (matrix only)."""
+    """Strict xfail where vLLM's CPU backend itself is wrong (matrix only).
+
+    The numeric defects only touch tests that compare with the HF reference;
+    tests of structure (rows refused, reordered) must pass there too.
+    """
     callspec = getattr(request.node, "callspec", None)
     param = callspec.params.get("generator") if callspec else None
-    if param is None:
+    if param is None or "hf_reference" not in request.fixturenames:
         return
     reason = UPSTREAM_CPU_DEFECTS.get((param[0], vllm_minor()))
     if reason:

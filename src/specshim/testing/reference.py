@@ -19,14 +19,20 @@ class HFReference:
         model_path: str,
         dtype: str = "float32",
         apply_llama_4_scaling: bool = False,
+        layers_up_to: int | None = None,
     ) -> None:
+        """``layers_up_to=k`` loads decoder layers 0..k only (what capturing
+        layer k needs); the rest of the checkpoint is never materialised."""
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, torch_dtype=getattr(torch, dtype)
-        ).eval()
+        kwargs: dict[str, Any] = {"torch_dtype": getattr(torch, dtype)}
+        if layers_up_to is not None:
+            config = AutoConfig.from_pretrained(model_path)
+            config.num_hidden_layers = layers_up_to + 1
+            kwargs["config"] = config
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).eval()
         if apply_llama_4_scaling:
             self._add_llama_4_scaling(self.model.config.llama_4_scaling)
 
