@@ -84,6 +84,35 @@ UPSTREAM_CPU_DEFECTS = {
     ("deepseek_v3", (0, 13)): _DEEPSEEK_NUMERICS.format(v="0.13"),
 }
 UPSTREAM_CPU_CRASHES = {("deepseek_v3", (0, 14)): _DEEPSEEK_WARMUP}
+# One case, on CPUs without AMX (avx512_bf16 only): vLLM 0.11's bfloat16 MoE
+# path puts 4 tokens of one 35-token sequence at cosine 0.936-0.949 against HF
+# float32 at the deepest captured layer (3 are allowed), where HF in bfloat16
+# stays above 0.95 and vLLM 0.16 passes. Reproduced without specshim or
+# speculators: vLLM 0.11's own engine gives that batch's prompt logprobs a mean
+# gap to HF of 0.017 nats (0.012 on 0.16), up to 0.29. The same case passed in
+# earlier matrix runs on another host.
+_DEEPSEEK_011_NO_AMX = (
+    "vLLM 0.11 CPU without AMX: bfloat16 MoE near-ties put 4 of 35 tokens of one "
+    "sequence at cosine 0.936-0.949 (3 allowed); vLLM's own engine's prompt "
+    "logprobs are further from HF than on 0.16 (mean 0.017 vs 0.012 nats)"
+)
+UPSTREAM_CPU_CASE_DEFECTS = {
+    (
+        "deepseek_v3",
+        (0, 11),
+        "test_repeated_calls_with_different_batch_sizes",
+    ): _DEEPSEEK_011_NO_AMX,
+}
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            return any(
+                flag in line.split() for line in handle if line.startswith("flags")
+            )
+    except OSError:
+        return False
 
 
 def vllm_minor() -> tuple[int, ...]:
@@ -104,6 +133,9 @@ def _known_upstream_cpu_defects(request: pytest.FixtureRequest) -> None:
     if param is None or "hf_reference" not in request.fixturenames:
         return
     reason = UPSTREAM_CPU_DEFECTS.get((param[0], vllm_minor()))
+    case = (param[0], vllm_minor(), request.node.originalname)
+    if not reason and not _cpu_has("amx_bf16"):
+        reason = UPSTREAM_CPU_CASE_DEFECTS.get(case)
     if reason:
         request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
 

@@ -144,7 +144,7 @@ def test_rows_dropped_or_repeated_in_the_worker_are_refused(generator, mode):
     assert [len(r["hidden_states"][0]) for r in again] == list(map(len, batch))
 
 
-def test_padded_steps_are_refused(generator):
+def test_padded_forwards_are_refused(generator):
     """A runner that pads each step (CUDA graphs, DP, sequence parallelism do)
     adds rows no sequence owns: every step's rows must be its tokens."""
     batch = _seqs(random.Random(10), 4, 5, 40)
