@@ -56,7 +56,7 @@ def _config(**changes):
             enable_dbo=False,
             ubatch_size=0,
         ),
-        model_config=SimpleNamespace(dtype=torch.bfloat16),
+        model_config=SimpleNamespace(dtype=torch.bfloat16, enforce_eager=True),
     )
     for path, value in changes.items():
         target = config
@@ -104,8 +104,33 @@ def test_each_violation_is_named_with_its_fix(changes, term):
     assert found[0].endswith(fix)
 
 
-def test_unknown_runner_and_unreadable_compilation_are_refused():
+def test_unknown_runner_and_unreadable_settings_are_refused():
     model = nn.Sequential(nn.Linear(2, 2))
+    for changes, why in (
+        ({"compilation_config__cudagraph_mode": None}, None),  # eager: off
+        (
+            {
+                "compilation_config__cudagraph_mode": None,
+                "model_config__enforce_eager": False,
+            },
+            "cudagraph_mode unset without enforce_eager",
+        ),
+    ):
+        found = capture_contract.violations(_config(**changes), CPUModelRunner(), model)
+        assert (found == []) if why is None else why in found[0]
+    for where, attribute, why in (
+        ("pass_config", "enable_sp", "no sequence-parallelism flag to read"),
+        ("parallel_config", "enable_dbo", "no enable_dbo to read"),
+    ):
+        config = _config()
+        holder = (
+            config.parallel_config
+            if where == "parallel_config"
+            else (config.compilation_config.pass_config)
+        )
+        delattr(holder, attribute)
+        found = capture_contract.violations(config, CPUModelRunner(), model)
+        assert why in found[0], found
     assert capture_contract.violations(_config(), object(), model)[0].startswith(
         "a known model runner"
     )

@@ -14,6 +14,7 @@ __all__ = [
     "WORKER",
     "adapt_kwargs",
     "parameters",
+    "require_callable",
     "required",
     "signature_text",
     "upstream",
@@ -99,3 +100,13 @@ def wrap_call(
 
     call.__specshim__ = True  # type: ignore[attr-defined]
     return call
+
+
+def require_callable(expected: str) -> Callable[[Any], None]:
+    """A probe: the target must exist and be callable (``expected`` names it)."""
+
+    def probe(original: Any) -> None:
+        if original is None or not callable(original):
+            raise Incompatible(expected, repr(original))
+
+    return probe

@@ -29,8 +29,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from specshim._registry import Incompatible, Patch, register
-from specshim.patches._util import WORKER
+from specshim._registry import Patch, register
+from specshim.patches._util import WORKER, require_callable
 
 # (term, why it matters, how to restore it); checked by ``violations``.
 CONTRACT: tuple[tuple[str, str, str], ...] = (
@@ -99,23 +99,11 @@ def violations(vllm_config: Any, runner: Any, model: Any) -> list[str]:
     """Each broken term of ``CONTRACT``, as '<term>: <found>; <how to fix>'."""
     compilation = vllm_config.compilation_config
     parallel = vllm_config.parallel_config
-    passes = getattr(compilation, "pass_config", None)
-    cudagraph = getattr(compilation, "cudagraph_mode", None)
     found = [
         _compiled(compilation),
-        None
-        if cudagraph is None or _name(cudagraph) == "NONE"
-        else f"cudagraph_mode {_name(cudagraph)}",
-        "sequence parallelism on"
-        if any(
-            getattr(passes, flag, False)
-            for flag in ("enable_sp", "enable_sequence_parallelism")
-        )
-        else None,
-        "micro-batching on"
-        if getattr(parallel, "enable_dbo", False)
-        or int(getattr(parallel, "ubatch_size", 0) or 0) > 1
-        else None,
+        _cuda_graphs(vllm_config),
+        _sequence_parallel(getattr(compilation, "pass_config", None)),
+        _micro_batching(parallel),
         None
         if int(parallel.data_parallel_size) == 1
         else f"data_parallel_size {parallel.data_parallel_size}",
@@ -130,6 +118,31 @@ def violations(vllm_config: Any, runner: Any, model: Any) -> list[str]:
         for (term, _, fix), what in zip(CONTRACT, found, strict=True)
         if what is not None
     ]
+
+
+def _cuda_graphs(vllm_config: Any) -> str | None:
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    if mode is None:  # unresolved: off only because eager execution was asked for
+        eager = getattr(vllm_config.model_config, "enforce_eager", False) is True
+        return None if eager else "cudagraph_mode unset without enforce_eager"
+    return None if _name(mode) == "NONE" else f"cudagraph_mode {_name(mode)}"
+
+
+def _sequence_parallel(passes: Any) -> str | None:
+    # "enable_sp" from vLLM 0.12, "enable_sequence_parallelism" before 0.13.
+    flags = [
+        f for f in ("enable_sp", "enable_sequence_parallelism") if hasattr(passes, f)
+    ]
+    if not flags:
+        return "no sequence-parallelism flag to read"
+    return "sequence parallelism on" if any(getattr(passes, f) for f in flags) else None
+
+
+def _micro_batching(parallel: Any) -> str | None:
+    if not hasattr(parallel, "enable_dbo"):
+        return "no enable_dbo to read"
+    ubatches = int(getattr(parallel, "ubatch_size", 0) or 0)  # 0.16 and later
+    return "micro-batching on" if parallel.enable_dbo or ubatches > 1 else None
 
 
 def _unknown_runner(runner: Any) -> str | None:
@@ -171,14 +184,6 @@ def _build(original: Any) -> Any:
     return setup_hidden_states_capture
 
 
-def _probe(original: Any) -> None:
-    if original is None or not callable(original):
-        raise Incompatible(
-            "HiddenStatesWorkerExtension._setup_hidden_states_capture(layer_ids)",
-            repr(original),
-        )
-
-
 PATCH = register(
     Patch(
         id="capture-contract",
@@ -187,7 +192,9 @@ PATCH = register(
         attribute="HiddenStatesWorkerExtension._setup_hidden_states_capture",
         package="vllm",
         versions=">=0.11",
-        probe=_probe,
+        probe=require_callable(
+            "HiddenStatesWorkerExtension._setup_hidden_states_capture(layer_ids)"
+        ),
         build=_build,
         why=__doc__ or "",
         upstream="none: the capture depends on eager, unpadded, single-rank steps",

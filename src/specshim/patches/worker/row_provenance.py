@@ -37,8 +37,8 @@ import functools
 import inspect
 from typing import Any
 
-from specshim._registry import Incompatible, Patch, register
-from specshim.patches._util import WORKER
+from specshim._registry import Patch, register
+from specshim.patches._util import WORKER, require_callable
 from specshim.patches.worker._stack import find_decoder_stack
 
 
@@ -210,14 +210,6 @@ def _build(original: Any) -> Any:
     return setup_hidden_states_capture
 
 
-def _probe(original: Any) -> None:
-    if original is None or not callable(original):
-        raise Incompatible(
-            "HiddenStatesWorkerExtension._setup_hidden_states_capture(layer_ids)",
-            repr(original),
-        )
-
-
 PATCH = register(
     Patch(
         id="row-provenance",
@@ -226,7 +218,9 @@ PATCH = register(
         attribute="HiddenStatesWorkerExtension._setup_hidden_states_capture",
         package="vllm",
         versions=">=0.11",
-        probe=_probe,
+        probe=require_callable(
+            "HiddenStatesWorkerExtension._setup_hidden_states_capture(layer_ids)"
+        ),
         build=_build,
         why=__doc__ or "",
         upstream="none: the v1 scheduler and the V2 runner reorder a batch",
