@@ -1,6 +1,8 @@
-"""Reading ``extract``'s JSONL input: token ids, text, or chat turns.
+"""Reading ``extract``'s input: token ids, text, or chat turns.
 
-Every problem is reported with its line number before the model loads.
+JSONL is read line by line here; JSON arrays, Parquet, Arrow and Hugging Face
+``datasets`` directories (``save_to_disk``) through the ``datasets`` library.
+Every problem is reported with its line (or row) number before the model loads.
 Chat turns go through speculators 0.3.0's own preprocessing (conversation
 normalisation, assistant-span detection from the chat template, loss mask from
 character offsets), so the masks are the ones speculators' own pipeline makes.
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,10 +34,19 @@ class Sample:
     loss_mask: list[int]
 
 
-def parse_shard(text: str | None) -> tuple[int, int]:
-    """``"I/N"`` -> (I, N), with 0 <= I < N."""
+# Files read through the ``datasets`` library, by suffix (a directory is a
+# ``save_to_disk`` dataset).
+TABLE_BUILDERS = {".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+def parse_shard(
+    text: str | None, environ: Mapping[str, str] = os.environ
+) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N), with 0 <= I < N; ``"auto"`` asks the cluster."""
     if text is None:
         return 0, 1
+    if text == "auto":
+        return cluster_shard(environ)
     try:
         left, right = text.split("/")
         index, count = int(left), int(right)
@@ -46,24 +59,105 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return index, count
 
 
+def cluster_shard(environ: Mapping[str, str]) -> tuple[int, int]:
+    """This task's shard from a SLURM job array or a Kubernetes indexed Job.
+
+    SLURM: ``SLURM_ARRAY_TASK_ID`` and ``SLURM_ARRAY_TASK_COUNT`` (or the
+    array's ``_MIN``/``_MAX``; a step other than 1 is refused). Kubernetes:
+    ``JOB_COMPLETION_INDEX`` and ``SPECSHIM_SHARD_COUNT`` (the Job's
+    ``completions``, which Kubernetes does not export itself).
+    """
+
+    def number(name: str) -> int:
+        try:
+            return int(environ[name])
+        except ValueError:
+            raise UsageError(
+                f"--shard auto: {name}={environ[name]!r} is not a number"
+            ) from None
+
+    if "SLURM_ARRAY_TASK_ID" in environ:
+        task = number("SLURM_ARRAY_TASK_ID")
+        if environ.get("SLURM_ARRAY_TASK_STEP", "1") != "1":
+            raise UsageError(
+                "--shard auto: the SLURM array has a step other than 1; use "
+                "--array=0-N (or give --shard I/N)"
+            )
+        low = number("SLURM_ARRAY_TASK_MIN") if "SLURM_ARRAY_TASK_MIN" in environ else 0
+        if "SLURM_ARRAY_TASK_COUNT" in environ:
+            count = number("SLURM_ARRAY_TASK_COUNT")
+        elif "SLURM_ARRAY_TASK_MAX" in environ:
+            count = number("SLURM_ARRAY_TASK_MAX") - low + 1
+        else:
+            raise UsageError(
+                "--shard auto: SLURM_ARRAY_TASK_ID is set but neither "
+                "SLURM_ARRAY_TASK_COUNT nor SLURM_ARRAY_TASK_MAX"
+            )
+        return parse_shard(f"{task - low}/{count}")
+    if "JOB_COMPLETION_INDEX" in environ:
+        if "SPECSHIM_SHARD_COUNT" not in environ:
+            raise UsageError(
+                "--shard auto: JOB_COMPLETION_INDEX is set (a Kubernetes indexed "
+                "Job); set SPECSHIM_SHARD_COUNT to the Job's completions too"
+            )
+        index, count = number("JOB_COMPLETION_INDEX"), number("SPECSHIM_SHARD_COUNT")
+        return parse_shard(f"{index}/{count}")
+    raise UsageError(
+        "--shard auto: found no cluster task index (SLURM_ARRAY_TASK_ID of a job "
+        "array, or JOB_COMPLETION_INDEX of a Kubernetes indexed Job); give --shard I/N"
+    )
+
+
 @dataclass
 class Record:
     """One dataset line: where it is, what it says, and its fingerprint."""
 
     index: int  # position in the dataset: sample i is written to data_{i}.pt
-    number: int  # line number in the file
+    where: str  # "file:line" (JSONL) or "file: row n" (tables), for errors
     data: dict[str, Any]
     digest: str
 
 
+def _normalise(value: Any, where: str, column: str | None) -> dict[str, Any]:
+    """A record as one of KINDS; ``column`` names the field that holds the data."""
+    if not isinstance(value, dict):
+        raise UsageError(f"{where}: expected an object with one of " + ", ".join(KINDS))
+    if column is None:
+        record = {k: v for k, v in value.items() if v is not None}
+        if not any(k in record for k in KINDS):
+            raise UsageError(
+                f"{where}: expected an object with one of "
+                + ", ".join(KINDS)
+                + " (or name the field with --column)"
+            )
+        return record
+    if value.get(column) is None:
+        raise UsageError(f"{where}: no {column!r} field (--column {column})")
+    data = value[column]
+    if isinstance(data, str):
+        return {"text": data}
+    if isinstance(data, list) and data and all(isinstance(t, dict) for t in data):
+        return {"messages": data}
+    return {"input_ids": data}
+
+
 def read_records(
-    path: Path, shard: tuple[int, int] = (0, 1)
+    path: Path,
+    shard: tuple[int, int] = (0, 1),
+    split: str | None = None,
+    column: str | None = None,
 ) -> tuple[list[Record], int]:
     """This shard's records and the dataset's size; malformed lines raise.
 
-    Every line is checked, whichever shard it belongs to, so that all shards
-    agree on what sample i is. A UTF-8 byte-order mark is accepted.
+    JSONL: every line is checked, whichever shard it belongs to, so that all
+    shards agree on what sample i is; a UTF-8 byte-order mark is accepted.
+    A directory or a ``.json``/``.parquet``/``.arrow`` file is read through
+    the ``datasets`` library (``split``: which split, default ``train``).
     """
+    if path.is_dir() or path.suffix.lower() in TABLE_BUILDERS:
+        return _read_table(path, shard, split, column)
+    if split is not None:
+        raise UsageError(f"--split {split}: a JSONL file has no splits")
     if not path.is_file():
         raise UsageError(f"--data {path}: no such file")
     shard_index, shard_count = shard
@@ -92,17 +186,57 @@ def read_records(
                 raise UsageError(
                     f"{path}:{number}: not valid JSON ({exc.msg})"
                 ) from None
-            if not isinstance(record, dict) or not any(k in record for k in KINDS):
-                raise UsageError(
-                    f"{path}:{number}: expected an object with one of "
-                    + ", ".join(KINDS)
-                )
+            where = f"{path}:{number}"
+            record = _normalise(record, where, column)
             if position % shard_count == shard_index:
-                records.append(Record(position, number, record, record_digest(record)))
+                records.append(Record(position, where, record, record_digest(record)))
             position += 1
     if not position:
         raise UsageError(f"--data {path}: the dataset is empty (no JSON lines)")
     return records, position
+
+
+def _read_table(
+    path: Path, shard: tuple[int, int], split: str | None, column: str | None
+) -> tuple[list[Record], int]:
+    """A ``datasets``-readable file or ``save_to_disk`` directory, row by row."""
+    if not path.exists():
+        raise UsageError(f"--data {path}: no such file or directory")
+    import datasets
+
+    try:
+        if path.is_dir():
+            table = datasets.load_from_disk(str(path))
+        else:
+            builder = TABLE_BUILDERS[path.suffix.lower()]
+            table = datasets.load_dataset(builder, data_files=str(path))
+    except Exception as exc:  # noqa: BLE001 - the library's many error types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        raise UsageError(
+            f"--data {path}: cannot read it as a dataset ({first})"
+        ) from None
+    if isinstance(table, datasets.DatasetDict):
+        name = split or "train"
+        if name not in table:
+            raise UsageError(
+                f"--data {path} has no split {name!r}; its splits: "
+                + ", ".join(table)
+                + " (choose one with --split)"
+            )
+        table = table[name]
+    elif split is not None:
+        raise UsageError(f"--split {split}: {path} holds a single split")
+    total = len(table)
+    if not total:
+        raise UsageError(f"--data {path}: the dataset is empty (no rows)")
+    index, count = shard
+    rows = table.select(range(index, total, count))
+    records = []
+    for position, row in zip(range(index, total, count), rows, strict=True):
+        where = f"{path}: row {position + 1}"
+        record = _normalise(row, where, column)
+        records.append(Record(position, where, record, record_digest(record)))
+    return records, total
 
 
 class Tokenizing:
@@ -170,7 +304,7 @@ def tokenize(
     samples = []
     truncated = 0
     for record in records:
-        where = f"{path}:{record.number}"
+        where = record.where
         ids, mask = tokenizing.encode(where, record.data)
         if not ids:
             raise UsageError(f"{where}: the sample has no tokens")

@@ -67,6 +67,8 @@ class ExtractOptions:
     batch_size: int = DEFAULT_BATCH_SIZE
     gpu_memory_utilization: float = 0.8
     shard: tuple[int, int] = (0, 1)
+    split: str | None = None  # for datasets with splits (default: train)
+    column: str | None = None  # the field holding the data (default: by name)
     progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
     # Step budget and KV-cache fraction (specshim.configure); None: the
     # SPECSHIM_* variable if set, else STEP_DEFAULTS.
@@ -384,15 +386,18 @@ def _extract(options: ExtractOptions) -> dict[str, Any]:
     layers = choose_layers(options.layers, num_layers)
     _check_options(options)
     settings = step_settings(options)
-    if not options.data.is_file():
-        raise UsageError(f"--data {options.data}: no such file")
+    if not options.data.exists():
+        raise UsageError(f"--data {options.data}: no such file or directory")
     _store.prepare_out(options.out)
     identity = run_identity(options, layers)
     existing = _store.read_config(options.out)
     if existing is not None:
         check_identity(options.out, existing, identity)
-    records, total = read_records(options.data, options.shard)
-    run = _store.Run(options.out)
+    records, total = read_records(
+        options.data, options.shard, options.split, options.column
+    )
+    header = {"shard": list(options.shard), "dataset_samples": total}
+    run = _store.Run(options.out, header)
     run.start()
     try:
         cleaned = run.remove_dead_partials()

@@ -130,8 +130,11 @@ def read_config(out: Path) -> dict[str, Any] | None:
 class Run:
     """One ``extract`` process's hold on an output directory."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, header: dict[str, Any] | None = None) -> None:
         self.out = out
+        # First line of the manifest: what this run was (shard, dataset size),
+        # for ``specshim status``.
+        self.header = dict(header or {})
         host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
         self.host = host
         self.id = f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -222,6 +225,8 @@ class Run:
         """Append ``entry`` to this run's manifest (flushed before the rename)."""
         if self._manifest_handle is None:
             self._manifest_handle = self.manifest.open("a", encoding="utf-8")
+            header = {"run": self.id, "started": time.time(), **self.header}
+            self._manifest_handle.write(json.dumps(header) + "\n")
         line = json.dumps(
             [
                 entry.index,
@@ -265,19 +270,31 @@ def existing_files(
     return found
 
 
-def manifest_lines(out: Path) -> Iterator[Entry]:
-    """Every entry of every run's manifest; a torn last line is skipped."""
+def manifests(out: Path) -> Iterator[tuple[dict[str, Any], list[Entry]]]:
+    """Each run's manifest: its header and its entries (a torn line is skipped)."""
     folder = out / META / "manifest"
     if not folder.is_dir():
         return
     for path in sorted(folder.glob("*.jsonl")):
+        header: dict[str, Any] = {"run": path.stem}
+        entries = []
         with path.open(encoding="utf-8", errors="replace") as handle:
             for line in handle:
                 try:
                     fields = json.loads(line)
-                    yield Entry(*fields)
-                except (json.JSONDecodeError, TypeError):
+                except json.JSONDecodeError:
                     continue  # a run killed mid-line
+                if isinstance(fields, dict):
+                    header.update(fields)
+                elif isinstance(fields, list) and len(fields) == 7:
+                    entries.append(Entry(*fields))
+        yield header, entries
+
+
+def manifest_lines(out: Path) -> Iterator[Entry]:
+    """Every entry of every run's manifest."""
+    for _, entries in manifests(out):
+        yield from entries
 
 
 def proven_files(out: Path, files: dict[int, os.stat_result]) -> dict[int, Entry]:

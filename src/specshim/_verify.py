@@ -146,7 +146,13 @@ def check_file(
     return None
 
 
-def verify_all(model: Path, out: Path, data: Path) -> tuple[int, list[str]]:
+def verify_all(
+    model: Path,
+    out: Path,
+    data: Path,
+    split: str | None = None,
+    column: str | None = None,
+) -> tuple[int, list[str]]:
     """Load every file of ``out`` and check it against ``data`` and the settings."""
     from specshim._dataset import read_records, tokenize
     from specshim._extract import hidden_size, model_facts
@@ -155,7 +161,7 @@ def verify_all(model: Path, out: Path, data: Path) -> tuple[int, list[str]]:
     layers = config["layers"]
     _, vocab_size = model_facts(model)
     width = hidden_size(model)
-    records, total = read_records(data)
+    records, total = read_records(data, split=split, column=column)
     samples = tokenize(data, model, records, vocab_size, config["max_model_len"] - 1)
     files = dict(written_files(out))
     lines, bad = [], 0

@@ -54,6 +54,17 @@ def _checkpoint(args: argparse.Namespace, flag: str = "--model") -> Path:
     return model
 
 
+def _data_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--split", help="the split of a dataset that has several (default: train)"
+    )
+    parser.add_argument(
+        "--column",
+        help="the field that holds each sample (token ids, text, or chat turns); "
+        "default: input_ids, text, messages or conversations",
+    )
+
+
 def _trust_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trust-remote-code",
@@ -146,6 +157,8 @@ def _extract(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         shard=parse_shard(args.shard),
+        split=args.split,
+        column=args.column,
         max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens,
         cache_memory_fraction=args.cache_memory_fraction,
@@ -187,7 +200,9 @@ def _verify(args: argparse.Namespace) -> int:
     code = 0
     if args.all:
         with _stdout_to_stderr():
-            code, lines = verify_all(model, Path(args.out), Path(args.data))
+            code, lines = verify_all(
+                model, Path(args.out), Path(args.data), args.split, args.column
+            )
         print("\n".join(lines), flush=True)
         if samples is None:
             return code
@@ -198,6 +213,15 @@ def _verify(args: argparse.Namespace) -> int:
         )
     print("\n".join(lines), flush=True)
     return max(code, checked)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from specshim._status import collect, render
+
+    data = Path(args.data) if args.data else None
+    status = collect(Path(args.out), data, split=args.split, column=args.column)
+    print("\n".join(render(status, Path(args.out))))
+    return 0 if status.complete else 1
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -266,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument(
         "--data",
         required=True,
-        help="JSONL; each line has input_ids, text, or messages/conversations",
+        help="JSONL, a JSON array, Parquet, Arrow, or a datasets directory "
+        "(save_to_disk); each sample has input_ids, text, or "
+        "messages/conversations (ShareGPT from/value turns too)",
     )
     extract.add_argument("--out", required=True, help="output directory")
     extract.add_argument(
@@ -316,7 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: VLLM_CPU_KVCACHE_SPACE if set, else what the job needs, at "
         "most half the available memory)",
     )
-    extract.add_argument("--shard", help="I/N: take samples i with i %% N == I")
+    extract.add_argument(
+        "--shard",
+        help="I/N: take samples i with i %% N == I; auto: the index and count of "
+        "a SLURM job array or a Kubernetes indexed Job (SPECSHIM_SHARD_COUNT)",
+    )
+    _data_flags(extract)
     _trust_flag(extract)
     extract.set_defaults(func=_extract)
 
@@ -343,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
         "against the run's settings; name each bad or missing file",
     )
     verify.add_argument("--data", help="the dataset extract read (for --all)")
+    _data_flags(verify)
     verify.add_argument(
         "--reference",
         choices=("auto", "hf", "solo"),
@@ -359,6 +391,19 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--seed", type=int, default=0, help="which samples to pick")
     _trust_flag(verify)
     verify.set_defaults(func=_verify)
+
+    status = _command(
+        commands,
+        "status",
+        "Show how far an extract output directory has got: samples and tokens "
+        "done and missing, per shard, bytes, each run's pace and the ETA. Loads "
+        "no model and reads no output file; exits 1 until the set is complete.",
+        "specshim status --out hs/ --data chats.jsonl",
+    )
+    status.add_argument("--out", required=True, help="a directory written by extract")
+    status.add_argument("--data", help="the dataset (to count what is missing)")
+    _data_flags(status)
+    status.set_defaults(func=_status)
 
     demo = _command(
         commands,

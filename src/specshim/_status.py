@@ -1,0 +1,145 @@
+"""``specshim status``: how far an ``extract`` output directory has got.
+
+Cheap by construction: it loads no model and reads no output file, only
+``stat`` results, ``data_config.json`` and the runs' manifests (and, with
+``--data``, the dataset's records, without tokenizing them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specshim import _store
+from specshim._errors import UsageError
+
+
+@dataclass
+class RunSummary:
+    run: str
+    shard: tuple[int, int] | None
+    samples: int = 0
+    tokens: int = 0
+    first: float = 0.0  # seconds since the epoch: the run's start (or first file)
+    last: float = 0.0  # and its last file
+    live: bool = False
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        span = self.last - self.first
+        return self.tokens / span if span > 0 and self.samples > 1 else None
+
+
+@dataclass
+class Status:
+    total: int | None  # samples in the dataset (None: not known)
+    done: int = 0  # files proven by a manifest line
+    tokens: int = 0
+    unproven: list[int] = field(default_factory=list)  # files no line describes
+    missing: list[int] = field(default_factory=list)  # samples without a file
+    bytes: int = 0
+    runs: list[RunSummary] = field(default_factory=list)
+    per_shard: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return (
+            self.total is not None
+            and not self.missing
+            and not self.unproven
+            and self.done == self.total
+        )
+
+
+def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
+    """What ``out`` holds, proven by the manifests (and ``data`` if given)."""
+    if not out.is_dir():
+        raise UsageError(f"--out {out}: no such directory")
+    config = _store.read_config(out)
+    files = _store.existing_files(out)
+    probe = _store.Run(out)  # only to ask whether a run is alive
+    runs, sizes, proven = [], [], {}
+    for header, entries in _store.manifests(out):
+        shard = header.get("shard")
+        summary = RunSummary(header.get("run", "?"), tuple(shard) if shard else None)
+        summary.live = probe.is_live(str(summary.run))
+        summary.first = float(header.get("started") or 0.0)
+        for entry in entries:
+            stat = files.get(entry.index)
+            if stat is None or not entry.describes(stat):
+                continue
+            proven[entry.index] = entry
+            summary.samples += 1
+            summary.tokens += entry.num_tokens
+            stamp = entry.mtime_ns / 1e9
+            summary.first = min(summary.first or stamp, stamp)
+            summary.last = max(summary.last, stamp)
+        sizes.append(header.get("dataset_samples"))
+        runs.append(summary)
+    total = None
+    if data is not None:
+        from specshim._dataset import read_records
+
+        _, total = read_records(data, **dataset)
+    elif sizes and all(s == sizes[0] for s in sizes) and sizes[0] is not None:
+        total = int(sizes[0])  # every run saw the same dataset size
+    status = Status(total=total, runs=runs)
+    status.done = len(proven)
+    status.tokens = sum(e.num_tokens for e in proven.values())
+    status.bytes = sum(stat.st_size for stat in files.values())
+    status.unproven = sorted(set(files) - set(proven))
+    if total is not None:
+        status.missing = [i for i in range(total) if i not in files]
+    shards = {r.shard for r in runs if r.shard}
+    for index, count in sorted(shards):
+        expected = len(range(index, total, count)) if total is not None else None
+        done = sum(1 for i in proven if i % count == index)
+        status.per_shard[f"{index}/{count}"] = (done, expected if expected else -1)
+    if config is None and files:
+        status.unproven = sorted(files)
+    return status
+
+
+def render(status: Status, out: Path) -> list[str]:
+    gib = 1 << 30
+    total = "?" if status.total is None else str(status.total)
+    lines = [
+        f"status: {out}: {status.done} of {total} samples done, "
+        f"{status.tokens:,} tokens, {status.bytes / gib:,.2f} GiB on disk",
+    ]
+    if status.total is None:
+        lines.append("  dataset size unknown: give --data to count what is missing")
+    else:
+        lines.append(f"  missing: {len(status.missing)} samples" + _few(status.missing))
+    if status.unproven:
+        lines.append(
+            f"  not proven by any manifest (a rerun rewrites them): "
+            f"{len(status.unproven)}" + _few(status.unproven)
+        )
+    for shard, (done, expected) in status.per_shard.items():
+        of = "?" if expected < 0 else str(expected)
+        lines.append(f"  shard {shard}: {done} of {of} samples")
+    rates = []
+    for run in status.runs:
+        rate = run.tokens_per_second
+        state = "live" if run.live else "ended"
+        shown = "-" if rate is None else f"{rate:,.0f} tok/s"
+        lines.append(f"  run {run.run} ({state}): {run.samples} samples, {shown}")
+        if run.live and rate:
+            rates.append(run.samples / (run.last - run.first))
+    if rates and status.total is not None:
+        left = status.total - status.done
+        eta = left / sum(rates)
+        when = time.ctime(time.time() + eta)
+        lines.append(f"  ETA at the live runs' pace: {eta:,.0f} s ({when})")
+    lines.append("status: " + ("complete" if status.complete else "INCOMPLETE"))
+    return lines
+
+
+def _few(indices: list[int]) -> str:
+    if not indices:
+        return ""
+    shown = ", ".join(f"data_{i}.pt" for i in indices[:5])
+    return f" ({shown}{' ...' if len(indices) > 5 else ''})"

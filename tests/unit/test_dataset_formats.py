@@ -1,0 +1,140 @@
+"""Every input format gives the same samples; cluster shards from the environment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specshim._dataset import parse_shard, read_records, tokenize
+from specshim._errors import UsageError
+
+ROWS = [
+    {"input_ids": [5, 6, 7]},
+    {"text": "hello there"},
+    {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo!"},
+        ]
+    },
+    {"input_ids": [9]},
+]
+# The same chat, ShareGPT-style.
+SHAREGPT = {
+    "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo!"}]
+}
+
+
+def _samples(path: Path, model: Path, **kwargs):
+    records, total = read_records(path, **kwargs)
+    return total, [
+        (s.index, s.input_ids, s.loss_mask)
+        for s in tokenize(path, model, records, 320, 100)
+    ]
+
+
+def _table(rows):
+    import datasets
+
+    # One schema for every row: absent fields are None (dropped when read).
+    keys = sorted({k for row in rows for k in row})
+    return datasets.Dataset.from_list([{k: row.get(k) for k in keys} for row in rows])
+
+
+@pytest.fixture
+def model(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def test_every_format_gives_the_jsonl_samples(tmp_path, model):
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    expected = _samples(jsonl, model)
+    array = tmp_path / "d.json"
+    array.write_text(json.dumps(ROWS))
+    table = _table(ROWS)
+    table.to_parquet(str(tmp_path / "d.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    (arrow,) = (tmp_path / "saved").glob("*.arrow")
+    for path in (array, tmp_path / "d.parquet", tmp_path / "saved", arrow):
+        assert _samples(path, model) == expected, path
+
+
+def test_sharegpt_conversations_equal_messages(tmp_path, model):
+    table = _table([SHAREGPT])
+    table.to_parquet(str(tmp_path / "c.parquet"))
+    messages = tmp_path / "m.jsonl"
+    messages.write_text(json.dumps(ROWS[2]) + "\n")
+    (got,) = _samples(tmp_path / "c.parquet", model)[1]
+    (want,) = _samples(messages, model)[1]
+    assert got[1:] == want[1:] and sum(got[2]) == 3  # the assistant's "yo!"
+
+
+def test_column_and_split_choose_the_data(tmp_path, model):
+    import datasets
+
+    rows = [{"chat": ROWS[2]["messages"]}, {"chat": SHAREGPT["conversations"]}]
+    splits = datasets.DatasetDict(train=_table(rows), test=_table(rows[:1]))
+    splits.save_to_disk(str(tmp_path / "dd"))
+    total, samples = _samples(tmp_path / "dd", model, split="test", column="chat")
+    assert total == 1 and samples[0][2].count(1) == 3
+    with pytest.raises(UsageError, match="no split 'dev'; its splits: train, test"):
+        read_records(tmp_path / "dd", split="dev", column="chat")
+    with pytest.raises(UsageError, match=r"row 1: expected an object .* --column"):
+        read_records(tmp_path / "dd")
+
+
+def test_shards_of_a_table_partition_it(tmp_path):
+    _table([{"input_ids": [i + 1]} for i in range(7)]).to_parquet(
+        str(tmp_path / "t.parquet")
+    )
+    seen = []
+    for index in range(3):
+        records, total = read_records(tmp_path / "t.parquet", (index, 3))
+        assert total == 7 and all(r.index % 3 == index for r in records)
+        seen += [(r.index, r.data["input_ids"][0]) for r in records]
+    assert sorted(seen) == [(i, i + 1) for i in range(7)]
+
+
+@pytest.mark.parametrize(
+    ("environ", "shard"),
+    [
+        ({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "8"}, (3, 8)),
+        (
+            {
+                "SLURM_ARRAY_TASK_ID": "5",
+                "SLURM_ARRAY_TASK_MIN": "4",
+                "SLURM_ARRAY_TASK_MAX": "7",
+            },
+            (1, 4),
+        ),
+        ({"JOB_COMPLETION_INDEX": "2", "SPECSHIM_SHARD_COUNT": "4"}, (2, 4)),
+    ],
+)
+def test_shard_auto_reads_slurm_and_kubernetes(environ, shard):
+    assert parse_shard("auto", environ) == shard
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({}, "found no cluster task index"),
+        ({"JOB_COMPLETION_INDEX": "2"}, "set SPECSHIM_SHARD_COUNT"),
+        ({"SLURM_ARRAY_TASK_ID": "1"}, "neither SLURM_ARRAY_TASK_COUNT"),
+        ({"SLURM_ARRAY_TASK_ID": "x", "SLURM_ARRAY_TASK_COUNT": "2"}, "not a number"),
+        (
+            {
+                "SLURM_ARRAY_TASK_ID": "2",
+                "SLURM_ARRAY_TASK_COUNT": "2",
+                "SLURM_ARRAY_TASK_STEP": "2",
+            },
+            "step other than 1",
+        ),
+        ({"JOB_COMPLETION_INDEX": "4", "SPECSHIM_SHARD_COUNT": "4"}, "need 0 <= I < N"),
+    ],
+)
+def test_shard_auto_refuses_what_it_cannot_read(environ, message):
+    with pytest.raises(UsageError, match=message):
+        parse_shard("auto", environ)
