@@ -66,6 +66,24 @@ def close_generator(generator: Any) -> None:
     generator.executor.shutdown()
 
 
+def shutdown_half_built(error: BaseException) -> bool:
+    """Shut down the workers of a generator whose constructor raised.
+
+    speculators starts its executor before it sets up the capture; when that
+    set-up fails, the half-built generator is held by the traceback and its
+    worker keeps polling. Returns whether one was found.
+    """
+    frame_tb = error.__traceback__
+    while frame_tb is not None:
+        candidate = frame_tb.tb_frame.f_locals.get("self")
+        executor = getattr(candidate, "executor", None)
+        if type(candidate).__name__ == "VllmHiddenStatesGenerator" and executor:
+            executor.shutdown()
+            return True
+        frame_tb = frame_tb.tb_next
+    return False
+
+
 # Defects of vLLM's own CPU backend, reproduced with vLLM's ``LLM`` engine and
 # specshim disabled (``SPECSHIM_DISABLE=all``, no speculators): they are not
 # speculators' or specshim's, and only the version matrix meets them.

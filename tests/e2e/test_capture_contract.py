@@ -4,12 +4,11 @@ layers rescale their residual stream, so the generator refuses them at set-up
 
 from __future__ import annotations
 
-import gc
 import json
 
 import pytest
 
-from .conftest import make_generator
+from .conftest import make_generator, shutdown_half_built
 
 pytestmark = pytest.mark.e2e
 
@@ -25,4 +24,6 @@ def test_float16_deepseek_is_refused_before_anything_is_captured(tmp_path):
         make_generator(str(path), 1)
     message = str(refused.value)
     assert "routed_scaling_factor 2.5" in message
-    gc.collect()  # the half-built generator shuts its worker down
+    # speculators' constructor failed after starting its worker, which would
+    # otherwise spin for the rest of the session: shut it down.
+    assert shutdown_half_built(refused.value), "no half-built generator found"
