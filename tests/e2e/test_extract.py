@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -187,7 +188,7 @@ def test_output_loads_with_speculators_training_dataset(
     torch.save(scaled, out / "data_4.pt")
     bad = subprocess.run(verify, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 1 and "MISMATCH data_3.pt" in bad.stdout, bad.stdout
-    assert "MISMATCH data_4.pt" in bad.stdout and "norm ratio 0.40" in bad.stdout
+    assert re.search(r"MISMATCH data_4\.pt: .*mean norm ratio 0\.(39|40)\d", bad.stdout)
 
 
 def test_kill_9_mid_run_then_resume_writes_each_sample_once(
