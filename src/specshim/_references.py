@@ -31,8 +31,9 @@ _BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 
 def _text_config(model: Path) -> dict[str, Any]:
-    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
-    return {**config, **(config.get("text_config") or {})}
+    from specshim._extract import _text_config as read_text_config
+
+    return read_text_config(model)[1]
 
 
 def hf_parameters(config: dict[str, Any], layers_up_to: int) -> int:

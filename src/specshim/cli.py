@@ -40,14 +40,11 @@ def _checkpoint(args: argparse.Namespace, flag: str = "--model") -> Path:
     Runs before anything is loaded from it.
     """
     from specshim import configure
+    from specshim._extract import _text_config
     from specshim._remote_code import require_consent
 
-    path = args.model
-    model = Path(path)
-    if not model.is_dir():
-        raise UsageError(f"{flag} {path}: no such directory (a local checkpoint)")
-    if not (model / "config.json").is_file():
-        raise UsageError(f"{flag} {path}: no config.json, not a checkpoint directory")
+    model = Path(args.model)
+    _text_config(model, flag)  # a directory with a readable config.json
     if getattr(args, "trust_remote_code", False):
         configure(trust_remote_code=True)
     require_consent(model, flag=True)
