@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,102 +141,136 @@ def _normalise(value: Any, where: str, column: str | None) -> dict[str, Any]:
     return {"input_ids": data}
 
 
+class RecordStream:
+    """This shard's records, read lazily, in dataset order; malformed lines raise.
+
+    Memory does not grow with the dataset: JSONL is read line by line, tables
+    through ``datasets``' streaming readers (a ``save_to_disk`` directory is
+    memory-mapped). Every record is parsed and checked, whichever shard it
+    belongs to, so that all shards agree on what sample i is. ``total`` (the
+    dataset's size) is known once the stream is exhausted, and from the start
+    for a ``save_to_disk`` directory.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        shard: tuple[int, int] = (0, 1),
+        split: str | None = None,
+        column: str | None = None,
+    ) -> None:
+        self.path, self.shard, self.split, self.column = path, shard, split, column
+        self.total: int | None = None
+        self.table = path.is_dir() or path.suffix.lower() in TABLE_BUILDERS
+        if not self.table:
+            if split is not None:
+                raise UsageError(f"--split {split}: a JSONL file has no splits")
+            if not path.is_file():
+                raise UsageError(f"--data {path}: no such file")
+        elif not path.exists():
+            raise UsageError(f"--data {path}: no such file or directory")
+
+    def __iter__(self) -> Iterator[Record]:
+        rows = self._table_rows() if self.table else self._jsonl_rows()
+        index, count = self.shard
+        position = -1
+        for position, where, value in rows:
+            record = _normalise(value, where, self.column)
+            if position % count == index:
+                yield Record(position, where, record, record_digest(record))
+        if position < 0:
+            what = "rows" if self.table else "JSON lines"
+            raise UsageError(f"--data {self.path}: the dataset is empty (no {what})")
+        self.total = position + 1
+
+    def _jsonl_rows(self) -> Iterator[tuple[int, str, Any]]:
+        path = self.path
+        try:
+            handle = path.open("rb")
+        except OSError as exc:
+            raise UsageError(
+                f"--data {path}: cannot read it ({exc.strerror})"
+            ) from None
+        position = 0
+        with handle:
+            for number, raw in enumerate(handle, start=1):
+                if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise UsageError(
+                        f"{path}:{number}: not UTF-8 text (byte {exc.start + 1} of "
+                        "the line); convert the file to UTF-8"
+                    ) from None
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UsageError(
+                        f"{path}:{number}: not valid JSON ({exc.msg})"
+                    ) from None
+                yield position, f"{path}:{number}", value
+                position += 1
+
+    def _table_rows(self) -> Iterator[tuple[int, str, Any]]:
+        """A ``datasets``-readable file or ``save_to_disk`` directory, row by row."""
+        import datasets
+
+        path, split = self.path, self.split
+        try:
+            if path.is_dir():
+                table = datasets.load_from_disk(str(path))
+            else:
+                builder = TABLE_BUILDERS[path.suffix.lower()]
+                table = datasets.load_dataset(
+                    builder, data_files=str(path), streaming=True
+                )
+        except Exception as exc:  # noqa: BLE001 - the library's many error types
+            raise _unreadable(path, exc) from None
+        if isinstance(table, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+            name = split or "train"
+            if name not in table:
+                raise UsageError(
+                    f"--data {path} has no split {name!r}; its splits: "
+                    + ", ".join(table)
+                    + " (choose one with --split)"
+                )
+            table = table[name]
+        elif split is not None:
+            raise UsageError(f"--split {split}: {path} holds a single split")
+        if isinstance(table, datasets.Dataset):
+            self.total = len(table)
+        rows = iter(table)
+        position = 0
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            except Exception as exc:  # noqa: BLE001 - a corrupt file mid-way
+                raise _unreadable(path, exc, f" at row {position + 1}") from None
+            yield position, f"{path}: row {position + 1}", row
+            position += 1
+
+
+def _unreadable(path: Path, exc: Exception, where: str = "") -> UsageError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+    return UsageError(f"--data {path}: cannot read it as a dataset{where} ({first})")
+
+
 def read_records(
     path: Path,
     shard: tuple[int, int] = (0, 1),
     split: str | None = None,
     column: str | None = None,
 ) -> tuple[list[Record], int]:
-    """This shard's records and the dataset's size; malformed lines raise.
-
-    JSONL: every line is checked, whichever shard it belongs to, so that all
-    shards agree on what sample i is; a UTF-8 byte-order mark is accepted.
-    A directory or a ``.json``/``.parquet``/``.arrow`` file is read through
-    the ``datasets`` library (``split``: which split, default ``train``).
-    """
-    if path.is_dir() or path.suffix.lower() in TABLE_BUILDERS:
-        return _read_table(path, shard, split, column)
-    if split is not None:
-        raise UsageError(f"--split {split}: a JSONL file has no splits")
-    if not path.is_file():
-        raise UsageError(f"--data {path}: no such file")
-    shard_index, shard_count = shard
-    records = []
-    position = 0
-    try:
-        handle = path.open("rb")
-    except OSError as exc:
-        raise UsageError(f"--data {path}: cannot read it ({exc.strerror})") from None
-    with handle:
-        for number, raw in enumerate(handle, start=1):
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise UsageError(
-                    f"{path}:{number}: not UTF-8 text (byte {exc.start + 1} of the "
-                    "line); convert the file to UTF-8"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UsageError(
-                    f"{path}:{number}: not valid JSON ({exc.msg})"
-                ) from None
-            where = f"{path}:{number}"
-            record = _normalise(record, where, column)
-            if position % shard_count == shard_index:
-                records.append(Record(position, where, record, record_digest(record)))
-            position += 1
-    if not position:
-        raise UsageError(f"--data {path}: the dataset is empty (no JSON lines)")
-    return records, position
-
-
-def _read_table(
-    path: Path, shard: tuple[int, int], split: str | None, column: str | None
-) -> tuple[list[Record], int]:
-    """A ``datasets``-readable file or ``save_to_disk`` directory, row by row."""
-    if not path.exists():
-        raise UsageError(f"--data {path}: no such file or directory")
-    import datasets
-
-    try:
-        if path.is_dir():
-            table = datasets.load_from_disk(str(path))
-        else:
-            builder = TABLE_BUILDERS[path.suffix.lower()]
-            table = datasets.load_dataset(builder, data_files=str(path))
-    except Exception as exc:  # noqa: BLE001 - the library's many error types
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-        raise UsageError(
-            f"--data {path}: cannot read it as a dataset ({first})"
-        ) from None
-    if isinstance(table, datasets.DatasetDict):
-        name = split or "train"
-        if name not in table:
-            raise UsageError(
-                f"--data {path} has no split {name!r}; its splits: "
-                + ", ".join(table)
-                + " (choose one with --split)"
-            )
-        table = table[name]
-    elif split is not None:
-        raise UsageError(f"--split {split}: {path} holds a single split")
-    total = len(table)
-    if not total:
-        raise UsageError(f"--data {path}: the dataset is empty (no rows)")
-    index, count = shard
-    rows = table.select(range(index, total, count))
-    records = []
-    for position, row in zip(range(index, total, count), rows, strict=True):
-        where = f"{path}: row {position + 1}"
-        record = _normalise(row, where, column)
-        records.append(Record(position, where, record, record_digest(record)))
-    return records, total
+    """This shard's records as a list, and the dataset's size (small datasets)."""
+    stream = RecordStream(path, shard, split, column)
+    records = list(stream)
+    assert stream.total is not None
+    return records, stream.total
 
 
 class Tokenizing:
@@ -246,6 +280,7 @@ class Tokenizing:
         self.model = model
         self._tokenizer: Any = None
         self._pattern: str | None = None
+        self.truncated = 0  # samples cut to max_len by sample()
 
     @property
     def tokenizer(self) -> Any:
@@ -272,6 +307,23 @@ class Tokenizing:
             return list(ids), [1] * len(ids)
         turns = record.get("messages", record.get("conversations"))
         return self._encode_chat(where, turns)
+
+    def sample(self, record: Record, vocab_size: int, max_len: int) -> Sample:
+        """``record`` as a checked sample, truncated to ``max_len`` tokens."""
+        where = record.where
+        ids, mask = self.encode(where, record.data)
+        if not ids:
+            raise UsageError(f"{where}: the sample has no tokens")
+        bad = [t for t in ids if t < 0 or t >= vocab_size]
+        if bad:
+            raise UsageError(
+                f"{where}: token id {bad[0]} is outside the model's vocabulary "
+                f"[0, {vocab_size}) ({len(bad)} such ids in this sample)"
+            )
+        if len(ids) > max_len:
+            self.truncated += 1
+            ids, mask = ids[:max_len], mask[:max_len]
+        return Sample(record.index, ids, mask)
 
     def _encode_chat(self, where: str, turns: Any) -> tuple[list[int], list[int]]:
         from speculators.data_generation import preprocessing
@@ -301,33 +353,21 @@ def tokenize(
 ) -> list[Sample]:
     """``records`` as samples: checked, and truncated to ``max_len`` tokens."""
     tokenizing = Tokenizing(model)
-    samples = []
-    truncated = 0
-    for record in records:
-        where = record.where
-        ids, mask = tokenizing.encode(where, record.data)
-        if not ids:
-            raise UsageError(f"{where}: the sample has no tokens")
-        bad = [t for t in ids if t < 0 or t >= vocab_size]
-        if bad:
-            raise UsageError(
-                f"{where}: token id {bad[0]} is outside the model's vocabulary "
-                f"[0, {vocab_size}) ({len(bad)} such ids in this sample)"
-            )
-        if len(ids) > max_len:
-            truncated += 1
-            ids, mask = ids[:max_len], mask[:max_len]
-        samples.append(Sample(record.index, ids, mask))
+    samples = [tokenizing.sample(r, vocab_size, max_len) for r in records]
+    warn_truncated(tokenizing.truncated, len(samples), max_len)
+    return samples
+
+
+def warn_truncated(truncated: int, count: int, max_len: int) -> None:
     if truncated:
         logger.warning(
             "%d of %d samples are longer than max_model_len - 1 = %d tokens and were "
             "truncated to it (as speculators does); raise --max-model-len to keep "
             "them whole",
             truncated,
-            len(samples),
+            count,
             max_len,
         )
-    return samples
 
 
 def load_samples(

@@ -18,20 +18,24 @@ directory, can write into it at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specshim import _settings, _store
-from specshim._dataset import Record, Sample, read_records, tokenize
+from specshim._dataset import warn_truncated
 from specshim._errors import SpecShimError, UsageError
+from specshim._feed import Feed, FeedSpec, Todo
 from specshim._registry import installed_version
-from specshim._settings import DEFAULT_BATCH_SIZE, STEP_DEFAULTS
+from specshim._settings import DEFAULT_BATCH_SIZE, STEP_DEFAULTS, trust_remote_code
 from specshim._store import final_path
 
 logger = logging.getLogger(__name__)
@@ -225,125 +229,139 @@ def _config(identity: dict[str, Any], options: ExtractOptions) -> dict[str, Any]
     return config
 
 
-def save_sample(
-    run: _store.Run, sample: Sample, record: Record, result: dict[str, Any]
-) -> int:
+def save_sample(run: _store.Run, todo: Todo, result: dict[str, Any]) -> int:
     """Write one sample under a temporary name, record it, rename it into place."""
     import torch
 
-    if result["input_ids"].tolist() != sample.input_ids:
+    ids = torch.frombuffer(todo.input_ids, dtype=torch.int32).to(torch.long)
+    returned = result["input_ids"]
+    if returned.shape != ids.shape or not torch.equal(returned.to(torch.long), ids):
         raise SpecShimError(
-            f"sample {sample.index}: the generator returned other input ids"
+            f"sample {todo.index} ({todo.where}): the generator returned other "
+            "input ids than it was given"
         )
     data = {
-        "input_ids": result["input_ids"],
+        "input_ids": returned,
         "hidden_states": result["hidden_states"],
-        "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.long),
+        "loss_mask": torch.frombuffer(todo.loss_mask, dtype=torch.int8).to(torch.long),
     }
-    final = final_path(run.out, sample.index)
+    final = final_path(run.out, todo.index)
     tmp = run.partial_path(final.name)
     torch.save(data, tmp)
     stat = tmp.stat()
     run.record(
         _store.Entry(
-            index=sample.index,
-            tokens=_store.token_digest(sample.input_ids, sample.loss_mask),
-            record=record.digest,
+            index=todo.index,
+            tokens=todo.tokens,
+            record=todo.record,
             size=stat.st_size,
             inode=stat.st_ino,
             mtime_ns=stat.st_mtime_ns,
-            num_tokens=len(sample.input_ids),
+            num_tokens=len(todo),
         )
     )
     os.replace(tmp, final)
     return stat.st_size
 
 
-@dataclass
-class Plan:
-    """What a run has to do to its shard of ``--out``."""
-
-    done: int
-    todo: list[tuple[Record, Sample]]
-    rewrites: dict[str, int]  # why -> how many existing files are rewritten
-
-
-_CHANGED_FILE = (
-    "the file is not the one specshim recorded (truncated, edited or foreign)"
-)
-_CHANGED_SAMPLE = "the dataset's sample changed since the file was written"
-
-
-def plan_shard(options: ExtractOptions, records: list[Record], vocab_size: int) -> Plan:
-    """Check what ``--out`` holds for this shard against the dataset, by content.
-
-    Files whose manifest line matches the file and the record are done without
-    tokenizing; the rest are tokenized, and an existing file survives only if
-    its recorded tokens and loss mask equal the sample's now.
-    """
-    files = _store.existing_files(options.out, {r.index for r in records})
-    proven = _store.proven_files(options.out, files)
-    done = 0
-    unsure: list[Record] = []
-    for record in records:
-        entry = proven.get(record.index)
-        if entry is not None and entry.record == record.digest:
-            done += 1
-        else:
-            unsure.append(record)
-    samples = tokenize(
-        options.data, options.model, unsure, vocab_size, options.max_model_len - 1
-    )
-    rewrites: dict[str, int] = {}
-    todo = []
-    for record, sample in zip(unsure, samples, strict=True):
-        entry = proven.get(record.index)
-        if entry is not None:
-            if entry.tokens == _store.token_digest(sample.input_ids, sample.loss_mask):
-                done += 1
-                continue
-            rewrites[_CHANGED_SAMPLE] = rewrites.get(_CHANGED_SAMPLE, 0) + 1
-        elif record.index in files:
-            rewrites[_CHANGED_FILE] = rewrites.get(_CHANGED_FILE, 0) + 1
-        todo.append((record, sample))
-    return Plan(done, todo, rewrites)
-
-
 class _Progress:
     """A bar on a terminal; otherwise a log line at most every 30 seconds."""
 
-    def __init__(self, total: int, tokens: int, bar: bool) -> None:
-        self.total, self.tokens_total = total, tokens
+    def __init__(self, bar: bool) -> None:
         self.done = self.tokens = 0
         self.started = self.last_log = time.monotonic()
         self.bar = None
         if bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit="sample", dynamic_ncols=True)
+            self.bar = tqdm(unit="sample", dynamic_ncols=True)
 
     def update(self, samples: int, tokens: int) -> None:
         self.done += samples
         self.tokens += tokens
         elapsed = max(time.monotonic() - self.started, 1e-9)
         rate = self.tokens / elapsed
-        eta = (self.tokens_total - self.tokens) / rate if rate else float("inf")
         if self.bar is not None:
             self.bar.set_postfix_str(f"{rate:,.0f} tok/s")
             self.bar.update(samples)
-        elif time.monotonic() - self.last_log >= 30 or self.done == self.total:
+        elif time.monotonic() - self.last_log >= 30:
             self.last_log = time.monotonic()
             logger.info(
-                "extract: %d/%d samples, %.0f tok/s, ETA %.0f s",
+                "extract: %d samples written, %.0f tok/s (specshim status --out "
+                "DIR --data D shows what is left)",
                 self.done,
-                self.total,
                 rate,
-                eta,
             )
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class _Writer:
+    """Writes batch k's files while batch k+1 generates: a thread, one batch deep.
+
+    ``put`` blocks while a batch waits (backpressure: at most one batch
+    generating, one waiting and one being written). The first failure stops
+    the thread; the next ``put``, ``check`` or ``finish`` raises it.
+    """
+
+    def __init__(self, run: _store.Run, progress: _Progress) -> None:
+        self.run, self.progress = run, progress
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self.written = self.tokens = 0
+        self.error: SpecShimError | None = None
+        self.thread = threading.Thread(
+            target=self._loop, name="specshim-writer", daemon=True
+        )
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            batch, results = item
+            for todo, result in zip(batch, results, strict=True):
+                try:
+                    save_sample(self.run, todo, result)
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    self.error = SpecShimError(
+                        f"writing data_{todo.index}.pt failed "
+                        f"({type(exc).__name__}: {exc}); the run stopped. The "
+                        f"{self.written} samples it wrote are complete: fix the "
+                        "cause (disk space, quota, permissions) and rerun the "
+                        "same command to resume."
+                    )
+                    self.error.__cause__ = exc
+                    return
+                self.written += 1
+                self.tokens += len(todo)
+            self.progress.update(len(batch), sum(len(t) for t in batch))
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def put(self, batch: list[Todo], results: list[dict[str, Any]]) -> None:
+        while True:
+            self.check()
+            try:
+                self.queue.put((batch, results), timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def finish(self) -> None:
+        """Write what is queued, stop the thread; raise its failure if any."""
+        while self.thread.is_alive():
+            try:
+                self.queue.put(None, timeout=0.5)
+                break
+            except queue.Full:
+                continue
+        self.thread.join()
+        self.check()
 
 
 def extract(options: ExtractOptions) -> dict[str, Any]:
@@ -381,7 +399,7 @@ def _check_options(options: ExtractOptions) -> None:
 
 def _extract(options: ExtractOptions) -> dict[str, Any]:
     # Cheap checks first: flags, paths and what --out already holds, before the
-    # dataset is tokenized or a model is loaded.
+    # dataset is read or a model is loaded.
     num_layers, vocab_size = model_facts(options.model)
     layers = choose_layers(options.layers, num_layers)
     _check_options(options)
@@ -393,80 +411,138 @@ def _extract(options: ExtractOptions) -> dict[str, Any]:
     existing = _store.read_config(options.out)
     if existing is not None:
         check_identity(options.out, existing, identity)
-    records, total = read_records(
-        options.data, options.shard, options.split, options.column
-    )
-    header = {"shard": list(options.shard), "dataset_samples": total}
-    run = _store.Run(options.out, header)
+    run = _store.Run(options.out, {"shard": list(options.shard)})
     run.start()
+    feed = None
     try:
         cleaned = run.remove_dead_partials()
         if cleaned:
             logger.info("extract: removed %d leftovers of runs that died", cleaned)
-        plan = plan_shard(options, records, vocab_size)
-        return _write(options, layers, settings, identity, run, plan) | {
-            "shard_samples": len(records),
-            "dataset_samples": total,
-            "skipped": plan.done,
-            "rewritten": dict(plan.rewrites),
+        feed = Feed(
+            FeedSpec(
+                data=options.data,
+                model=options.model,
+                out=options.out,
+                shard=options.shard,
+                split=options.split,
+                column=options.column,
+                vocab_size=vocab_size,
+                max_len=options.max_model_len - 1,
+                trust_remote_code=trust_remote_code(),
+            )
+        ).start()
+        logger.info(
+            "extract: streaming %s (shard %d/%d), layers %s; step budget %s",
+            options.data,
+            *options.shard,
+            layers,
+            ", ".join(f"{k}={v['value']} ({v['source']})" for k, v in settings.items()),
+        )
+        pipeline = _Pipeline(options, layers, settings, identity, run)
+        counts = pipeline.run(feed)
+        run.annotate({"dataset_samples": feed.total, "finished": time.time()})
+        warn_truncated(feed.truncated, feed.samples, options.max_model_len - 1)
+        for why, count in feed.rewrites.items():
+            logger.warning("extract: rewrote %d file(s): %s", count, why)
+        if not counts["written"]:
+            logger.info(
+                "extract: all %d samples of this shard already exist", feed.done
+            )
+        return counts | {
+            "shard_samples": feed.samples,
+            "dataset_samples": feed.total,
+            "skipped": feed.done,
+            "rewritten": dict(feed.rewrites),
         }
     finally:
+        if feed is not None:
+            feed.close()
         run.close()
 
 
-def _write(
-    options: ExtractOptions,
-    layers: list[int],
-    settings: dict[str, Any],
-    identity: dict[str, Any],
-    run: _store.Run,
-    plan: Plan,
-) -> dict[str, Any]:
-    for why, count in plan.rewrites.items():
-        logger.warning("extract: rewriting %d file(s): %s", count, why)
-    if not plan.todo:
-        logger.info("extract: all %d samples of this shard already exist", plan.done)
-        return {"written": 0, "tokens": 0, "seconds": 0.0}
-    logger.info(
-        "extract: %d samples to write (%d already there), layers %s; step budget %s",
-        len(plan.todo),
-        plan.done,
-        layers,
-        ", ".join(f"{k}={v['value']} ({v['source']})" for k, v in settings.items()),
-    )
-    if _on_cpu():
-        space, source = cpu_kv_space(
-            options, int(settings["max_batched_tokens"]["value"])
-        )
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(space)
-        logger.info("extract: vLLM CPU KV-cache space %d GiB (%s)", space, source)
-    generator = _make_generator(options, layers)
-    bar = sys.stderr.isatty() if options.progress is None else options.progress
-    progress = _Progress(
-        len(plan.todo), sum(len(s.input_ids) for _, s in plan.todo), bar
-    )
-    started = time.monotonic()
-    written = tokens = 0
-    published = False
-    try:
-        for start in range(0, len(plan.todo), options.batch_size):
-            batch = plan.todo[start : start + options.batch_size]
-            results = _generate(generator, [s for _, s in batch], written)
-            if not published:  # the settings are fixed by the first sample
-                in_force = run.publish_config(_config(identity, options))
-                check_identity(options.out, in_force, identity)
-                published = True
-            for (record, sample), result in zip(batch, results, strict=True):
-                save_sample(run, sample, record, result)
-            written += len(batch)
-            batch_tokens = sum(len(s.input_ids) for _, s in batch)
-            tokens += batch_tokens
-            progress.update(len(batch), batch_tokens)
-        seconds = time.monotonic() - started
-    finally:
-        progress.close()
-        _shutdown(generator)
-    return {"written": written, "tokens": tokens, "seconds": seconds}
+class _Pipeline:
+    """Batches the feed, generates, and hands each batch to the writer.
+
+    The generator is built when the first batch is full (or the feed ends), so
+    a bad record among the first samples, or a shard with nothing left to do,
+    never loads a model. Whatever stops the run, the batches already generated
+    are written before the error is raised.
+    """
+
+    def __init__(
+        self,
+        options: ExtractOptions,
+        layers: list[int],
+        settings: dict[str, Any],
+        identity: dict[str, Any],
+        run: _store.Run,
+    ) -> None:
+        self.options, self.layers, self.settings = options, layers, settings
+        self.identity, self.run_ = identity, run
+        self.generator: Any = None
+        self.writer: _Writer | None = None
+        self.progress: _Progress | None = None
+        self.published = False
+        self.began = time.monotonic()
+        self.first_generate: float | None = None  # seconds from the start
+
+    def run(self, feed: Feed) -> dict[str, Any]:
+        batch: list[Todo] = []
+        try:
+            for todo in feed:
+                batch.append(todo)
+                if len(batch) == self.options.batch_size:
+                    self._step(batch)
+                    batch = []
+            if batch:
+                self._step(batch)
+            if self.writer is not None:
+                self.writer.finish()
+        except BaseException:
+            if self.writer is not None:
+                with contextlib.suppress(SpecShimError):
+                    self.writer.finish()  # what was generated is still written
+            raise
+        finally:
+            if self.progress is not None:
+                self.progress.close()
+            if self.generator is not None:
+                _shutdown(self.generator)
+        if self.writer is None:
+            return {"written": 0, "tokens": 0, "seconds": 0.0}
+        assert self.first_generate is not None
+        return {
+            "written": self.writer.written,
+            "tokens": self.writer.tokens,
+            "seconds": time.monotonic() - self.began - self.first_generate,
+            "first_generate_seconds": self.first_generate,
+        }
+
+    def _start(self) -> None:
+        options = self.options
+        if _on_cpu():
+            budget = int(self.settings["max_batched_tokens"]["value"])
+            space, source = cpu_kv_space(options, budget)
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(space)
+            logger.info("extract: vLLM CPU KV-cache space %d GiB (%s)", space, source)
+        self.generator = _make_generator(options, self.layers)
+        bar = sys.stderr.isatty() if options.progress is None else options.progress
+        self.progress = _Progress(bar)
+        self.writer = _Writer(self.run_, self.progress)
+
+    def _step(self, batch: list[Todo]) -> None:
+        if self.generator is None:
+            self._start()
+        assert self.writer is not None
+        self.writer.check()
+        if self.first_generate is None:
+            self.first_generate = time.monotonic() - self.began
+        results = _generate(self.generator, batch, self.writer)
+        if not self.published:  # the settings are fixed by the first sample
+            in_force = self.run_.publish_config(_config(self.identity, self.options))
+            check_identity(self.options.out, in_force, self.identity)
+            self.published = True
+        self.writer.put(batch, results)
 
 
 def kv_bytes_per_token(model: Path) -> int:
@@ -543,18 +619,18 @@ def _make_generator(options: ExtractOptions, layers: list[int]) -> Any:
     )
 
 
-def _generate(
-    generator: Any, batch: list[Sample], written: int
-) -> list[dict[str, Any]]:
+def _generate(generator: Any, batch: list[Todo], writer: _Writer) -> list[Any]:
     try:
-        return generator.generate([s.input_ids for s in batch])
+        return generator.generate([t.input_ids.tolist() for t in batch])
     except Exception as exc:
         if getattr(generator.executor, "is_failed", False):
+            with contextlib.suppress(SpecShimError):
+                writer.finish()  # the batches already generated are written
             raise SpecShimError(
                 "a vLLM worker process died during extraction (see its log above: "
                 "out of memory and a killed process are the usual causes). "
-                f"{written} samples were written in this run and are complete; "
-                "rerun the same command to resume from there."
+                f"{writer.written} samples were written in this run and are "
+                "complete; rerun the same command to resume from there."
             ) from exc
         raise
 

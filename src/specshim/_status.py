@@ -80,11 +80,15 @@ def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
         runs.append(summary)
     total = None
     if data is not None:
-        from specshim._dataset import read_records
+        from specshim._dataset import RecordStream
 
-        _, total = read_records(data, **dataset)
-    elif sizes and all(s == sizes[0] for s in sizes) and sizes[0] is not None:
-        total = int(sizes[0])  # every run saw the same dataset size
+        stream = RecordStream(data, **dataset)
+        for _ in stream:  # counted, not kept
+            pass
+        total = stream.total
+    elif len({s for s in sizes if s is not None}) == 1:
+        # Every run that finished reading the dataset saw the same size.
+        total = int(next(s for s in sizes if s is not None))
     status = Status(total=total, runs=runs)
     status.done = len(proven)
     status.tokens = sum(e.num_tokens for e in proven.values())

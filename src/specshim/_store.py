@@ -221,6 +221,13 @@ class Run:
             tmp.unlink(missing_ok=True)
         return read_config(self.out) or config
 
+    def annotate(self, fields: dict[str, Any]) -> None:
+        """Add ``fields`` to this run's manifest header (a run that wrote nothing
+        has no manifest, and nothing to annotate)."""
+        if self._manifest_handle is not None:
+            self._manifest_handle.write(json.dumps(fields) + "\n")
+            self._manifest_handle.flush()
+
     def record(self, entry: Entry) -> None:
         """Append ``entry`` to this run's manifest (flushed before the rename)."""
         if self._manifest_handle is None:

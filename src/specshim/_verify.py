@@ -154,18 +154,21 @@ def verify_all(
     column: str | None = None,
 ) -> tuple[int, list[str]]:
     """Load every file of ``out`` and check it against ``data`` and the settings."""
-    from specshim._dataset import read_records, tokenize
+    from specshim._dataset import RecordStream, Tokenizing, warn_truncated
     from specshim._extract import hidden_size, model_facts
 
     config = run_config(out)
     layers = config["layers"]
     _, vocab_size = model_facts(model)
     width = hidden_size(model)
-    records, total = read_records(data, split=split, column=column)
-    samples = tokenize(data, model, records, vocab_size, config["max_model_len"] - 1)
+    stream = RecordStream(data, split=split, column=column)
+    tokenizing = Tokenizing(model)
+    max_len = config["max_model_len"] - 1
     files = dict(written_files(out))
-    lines, bad = [], 0
-    for sample in samples:
+    lines, bad, count = [], 0, 0
+    for record in stream:
+        sample = tokenizing.sample(record, vocab_size, max_len)
+        count += 1
         path = files.pop(sample.index, None)
         if path is None:
             lines.append(f"  MISSING data_{sample.index}.pt")
@@ -178,7 +181,8 @@ def verify_all(
     for index, path in sorted(files.items()):
         lines.append(f"  BAD {path.name}: the dataset has no sample {index}")
         bad += 1
-    head = f"verify --all: {total} samples in {data}, {len(samples) - bad} good"
+    warn_truncated(tokenizing.truncated, count, max_len)
+    head = f"verify --all: {stream.total} samples in {data}, {count - bad} good"
     lines.insert(0, head + (f", {bad} bad or missing" if bad else ""))
     lines.append("verify: " + ("FAILED" if bad else "ok"))
     return (1 if bad else 0), lines
