@@ -8,7 +8,7 @@ UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.specshim-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit test-e2e test-matrix bench demo doctor lint clean
+.PHONY: setup test test-unit test-e2e test-matrix bench bench-extract demo doctor lint clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,13 @@ BENCH_ARGS ?= --write-readme README.md
 bench: setup
 	$(UV) pip install -q --python $(PY) -r requirements/bench.txt
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
+
+# extract end to end vs bare generate() (2,000 samples, tiny DeepSeek-V3), and
+# time to first generate() and peak RSS on 10k- and 200k-line datasets; writes
+# benchmarks/results/extract.{json,md}. ~25 min on 2 cores.
+BENCH_EXTRACT_ARGS ?=
+bench-extract: setup
+	$(PY) benchmarks/extract_bench.py $(BENCH_EXTRACT_ARGS)
 
 demo: setup
 	$(VENV)/bin/specshim demo

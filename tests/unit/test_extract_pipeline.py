@@ -1,0 +1,201 @@
+"""The streaming pipeline of ``extract``, with a stand-in generator (the real
+one runs in tests/e2e): records stream, writes overlap generation, and every
+failure stops the run after writing what was already generated."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from specshim import _extract, _feed, _status, _store
+from specshim._dataset import RecordStream
+from specshim._errors import SpecShimError, UsageError
+from specshim._extract import ExtractOptions, extract
+
+
+class FakeGenerator:
+    """Returns states that are a function of each token, like a real model."""
+
+    def __init__(self, on_generate: Any = None) -> None:
+        self.calls = 0
+        self.on_generate = on_generate
+        self.executor = self
+
+    def generate(self, batch: list[list[int]]) -> list[dict[str, Any]]:
+        self.calls += 1
+        if self.on_generate is not None:
+            self.on_generate(self.calls)
+        return [
+            {
+                "input_ids": torch.tensor(ids),
+                "hidden_states": [torch.tensor(ids, dtype=torch.float32)[:, None]],
+            }
+            for ids in batch
+        ]
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    made: list[FakeGenerator] = []
+
+    def make(options, layers, on_generate=None):
+        made.append(FakeGenerator(on_generate))
+        return made[-1]
+
+    monkeypatch.setattr(_extract, "_make_generator", make)
+    monkeypatch.setattr(_extract, "_on_cpu", lambda: False)
+    return made
+
+
+def _jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text(
+        "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+    )
+    return path
+
+
+def _options(model: Path, data: Path, out: Path, **kw: Any) -> ExtractOptions:
+    return ExtractOptions(
+        model=model, data=data, out=out, layers=[1], batch_size=4, **kw
+    )
+
+
+def _written(out: Path) -> dict[int, list[int]]:
+    files = {int(p.stem.split("_")[1]): p for p in out.glob("data_*.pt")}
+    return {
+        i: torch.load(p, weights_only=True)["input_ids"].tolist()
+        for i, p in files.items()
+    }
+
+
+def test_records_stream_lazily(tmp_path):
+    rows = [{"input_ids": [i + 1]} for i in range(5)] + ["{broken"]
+    stream = iter(RecordStream(_jsonl(tmp_path / "d.jsonl", rows)))
+    # The first records come before the reader reaches the bad line 6.
+    assert [next(stream).index for _ in range(5)] == [0, 1, 2, 3, 4]
+    with pytest.raises(UsageError, match=r"d\.jsonl:6: not valid JSON"):
+        next(stream)
+
+
+def test_output_and_counts(tmp_path, tiny_model_dir, fake):
+    model = tiny_model_dir("llama")
+    rows = [{"input_ids": list(range(1, 2 + i % 7))} for i in range(11)]
+    data = _jsonl(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "out"
+    counts = extract(_options(model, data, out, shard=(1, 2)))
+    assert counts["written"] == 5 and counts["dataset_samples"] == 11
+    assert counts["shard_samples"] == 5 and counts["skipped"] == 0
+    assert _written(out) == {i: rows[i]["input_ids"] for i in range(1, 11, 2)}
+    assert fake[0].calls == 2  # batches of 4 and 1
+    # The run recorded the dataset's size: status needs no --data to count.
+    headers = [h for h, _ in _store.manifests(out)]
+    assert headers[0]["dataset_samples"] == 11 and headers[0]["shard"] == [1, 2]
+    half = _status.collect(out)
+    assert (half.total, half.done, half.complete) == (11, 5, False)
+    extract(_options(model, data, out, shard=(0, 2)))
+    assert _status.collect(out).complete
+
+
+def test_writes_overlap_the_next_generate(tmp_path, tiny_model_dir, fake, monkeypatch):
+    """Batch 1's files are written only once batch 2 is generating."""
+    model = tiny_model_dir("llama")
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(8)])
+    second_generate = threading.Event()
+    save = _extract.save_sample
+
+    def slow_save(run, todo, result):
+        if todo.index == 0:
+            assert second_generate.wait(60), "batch 2 never started while 1 wrote"
+        return save(run, todo, result)
+
+    def make(options, layers):
+        fake.append(FakeGenerator(lambda n: n == 2 and second_generate.set()))
+        return fake[-1]
+
+    monkeypatch.setattr(_extract, "save_sample", slow_save)
+    monkeypatch.setattr(_extract, "_make_generator", make)
+    counts = extract(_options(model, data, tmp_path / "out"))
+    assert counts["written"] == 8 and second_generate.is_set()
+
+
+def test_a_bad_line_stops_the_run_after_what_was_generated(
+    tmp_path, tiny_model_dir, fake
+):
+    model = tiny_model_dir("llama")
+    rows: list[Any] = [{"input_ids": [i + 1]} for i in range(40)]
+    rows[30] = {"input_ids": [1, 10**6]}  # line 31: outside the vocabulary
+    data = _jsonl(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "out"
+    with pytest.raises(UsageError, match=r"d\.jsonl:31: token id 1000000 is outside"):
+        extract(_options(model, data, out))
+    written = _written(out)
+    # Whole batches only, all before the bad line, each the right sample.
+    assert written and len(written) % 4 == 0 and max(written) < 30
+    assert written == {i: rows[i]["input_ids"] for i in written}
+    assert not list(out.glob(".data_*"))
+    # Fixed, a rerun writes the rest and nothing twice.
+    rows[30] = {"input_ids": [7]}
+    _jsonl(data, rows)
+    counts = extract(_options(model, data, out))
+    assert counts["skipped"] == len(written) and counts["written"] == 40 - len(written)
+
+
+def test_a_failing_writer_stops_the_run(tmp_path, tiny_model_dir, fake, monkeypatch):
+    model = tiny_model_dir("llama")
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(40)])
+    save = _extract.save_sample
+
+    def failing_save(run, todo, result):
+        if todo.index == 9:
+            raise OSError(28, "No space left on device")
+        return save(run, todo, result)
+
+    monkeypatch.setattr(_extract, "save_sample", failing_save)
+    out = tmp_path / "out"
+    with pytest.raises(SpecShimError, match=r"writing data_9\.pt failed .*No space"):
+        extract(_options(model, data, out))
+    assert sorted(_written(out)) == list(range(9))
+    assert fake[0].calls < 10, "generation went on after the writer failed"
+
+
+def test_the_feed_skips_what_out_holds_and_names_rewrites(
+    tmp_path, tiny_model_dir, fake
+):
+    model = tiny_model_dir("llama")
+    rows = [{"input_ids": [i + 1, i + 2]} for i in range(6)]
+    data = _jsonl(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "out"
+    extract(_options(model, data, out))
+    rows[2] = {"input_ids": [50]}  # the record changed
+    _jsonl(data, rows)
+    (out / "data_4.pt").write_bytes(b"foreign")  # the file changed
+    counts = extract(_options(model, data, out))
+    assert counts["skipped"] == 4 and counts["written"] == 2
+    assert counts["rewritten"] == {_feed.CHANGED_SAMPLE: 1, _feed.CHANGED_FILE: 1}
+    assert _written(out)[2] == [50]
+
+
+def test_a_dead_feed_process_is_an_error(tmp_path, tiny_model_dir, monkeypatch):
+    model = tiny_model_dir("llama")
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [1]}])
+    spec = _feed.FeedSpec(data, model, tmp_path, (0, 1), None, None, 320, 10, False)
+    feed = _feed.Feed(spec)
+    feed.process = type(feed.process)(target=_exit_hard, daemon=True)
+    feed.start()
+    with pytest.raises(SpecShimError, match=r"specshim-feed\) died \(exit code 3\)"):
+        list(feed)
+    feed.close()
+
+
+def _exit_hard() -> None:
+    import os
+
+    os._exit(3)
