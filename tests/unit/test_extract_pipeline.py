@@ -199,3 +199,29 @@ def _exit_hard() -> None:
     import os
 
     os._exit(3)
+
+
+def test_shard_auto_from_slurm_and_kubernetes_covers_the_dataset(
+    tmp_path, tiny_model_dir, fake, monkeypatch, capsys
+):
+    from specshim.cli import main
+
+    model = tiny_model_dir("llama")
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(7)])
+    out = tmp_path / "out"
+    command = ["extract", "--model", str(model), "--data", str(data)]
+    command += ["--out", str(out), "--layers", "1", "--shard", "auto"]
+    for name in ("SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
+    assert main(command) == 0
+    assert sorted(_written(out)) == [1, 3, 5]
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID")
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")
+    monkeypatch.setenv("SPECSHIM_SHARD_COUNT", "2")
+    assert main(command) == 0
+    assert sorted(_written(out)) == list(range(7))
+    capsys.readouterr()
+    assert main(["status", "--out", str(out)]) == 0
+    assert "shard 0/2: 4 of 4 samples" in capsys.readouterr().out
