@@ -18,7 +18,6 @@ directory, can write into it at once.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -322,30 +321,41 @@ class _Writer:
             if item is None:
                 return
             batch, results = item
-            for todo, result in zip(batch, results, strict=True):
-                try:
+            todo = batch[0]
+            try:
+                for todo, result in zip(batch, results, strict=True):
                     save_sample(self.run, todo, result)
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    self.error = SpecShimError(
-                        f"writing data_{todo.index}.pt failed "
-                        f"({type(exc).__name__}: {exc}); the run stopped. The "
-                        f"{self.written} samples it wrote are complete: fix the "
-                        "cause (disk space, quota, permissions) and rerun the "
-                        "same command to resume."
-                    )
-                    self.error.__cause__ = exc
-                    return
-                self.written += 1
-                self.tokens += len(todo)
-            self.progress.update(len(batch), sum(len(t) for t in batch))
+                    self.written += 1
+                    self.tokens += len(todo)
+                self.progress.update(len(batch), sum(len(t) for t in batch))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                self.error = SpecShimError(
+                    f"writing data_{todo.index}.pt failed "
+                    f"({type(exc).__name__}: {exc}); the run stopped. The "
+                    f"{self.written} samples it wrote are complete: fix the "
+                    "cause (disk space, quota, permissions) and rerun the "
+                    "same command to resume."
+                )
+                self.error.__cause__ = exc
+                return
 
     def check(self) -> None:
         if self.error is not None:
             raise self.error
+        if not self.thread.is_alive() and not self.queue.empty():
+            raise SpecShimError(
+                "the writer thread stopped with batches still to write (a "
+                "specshim bug; please report it); rerun the same command to resume"
+            )
 
     def put(self, batch: list[Todo], results: list[dict[str, Any]]) -> None:
         while True:
             self.check()
+            if not self.thread.is_alive():
+                raise SpecShimError(
+                    "the writer thread is gone (a specshim bug; please report "
+                    "it); rerun the same command to resume"
+                )
             try:
                 self.queue.put((batch, results), timeout=0.5)
                 return
@@ -500,8 +510,7 @@ class _Pipeline:
                 self.writer.finish()
         except BaseException:
             if self.writer is not None:
-                with contextlib.suppress(SpecShimError):
-                    self.writer.finish()  # what was generated is still written
+                _drain(self.writer)  # what was generated is still written
             raise
         finally:
             if self.progress is not None:
@@ -538,6 +547,11 @@ class _Pipeline:
         if self.first_generate is None:
             self.first_generate = time.monotonic() - self.began
         results = _generate(self.generator, batch, self.writer)
+        if len(results) != len(batch):
+            raise SpecShimError(
+                f"the generator returned {len(results)} results for {len(batch)} "
+                "samples; nothing of this batch was written"
+            )
         if not self.published:  # the settings are fixed by the first sample
             in_force = self.run_.publish_config(_config(self.identity, self.options))
             check_identity(self.options.out, in_force, self.identity)
@@ -624,8 +638,7 @@ def _generate(generator: Any, batch: list[Todo], writer: _Writer) -> list[Any]:
         return generator.generate([t.input_ids.tolist() for t in batch])
     except Exception as exc:
         if getattr(generator.executor, "is_failed", False):
-            with contextlib.suppress(SpecShimError):
-                writer.finish()  # the batches already generated are written
+            _drain(writer)  # the batches already generated are written
             raise SpecShimError(
                 "a vLLM worker process died during extraction (see its log above: "
                 "out of memory and a killed process are the usual causes). "
@@ -633,6 +646,15 @@ def _generate(generator: Any, batch: list[Todo], writer: _Writer) -> list[Any]:
                 "complete; rerun the same command to resume from there."
             ) from exc
         raise
+
+
+def _drain(writer: _Writer) -> None:
+    """Let the writer finish what is queued while another error stops the run;
+    its own failure, if any, is logged rather than lost."""
+    try:
+        writer.finish()
+    except SpecShimError as exc:
+        logger.error("extract: %s", exc)
 
 
 def _shutdown(generator: Any) -> None:

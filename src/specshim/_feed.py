@@ -3,8 +3,8 @@
 A spawned process (``specshim-feed``) streams this shard's records
 (``_dataset.RecordStream``), decides for each one whether ``--out`` already
 holds it (``_store``: by content, never by name), tokenizes and checks the
-rest, and hands them to the main process in small chunks through a bounded
-queue. So the first ``generate()`` waits for one batch, not for the dataset;
+rest, and hands them to the main process in small chunks through a pipe and a
+bounded queue. So the first ``generate()`` waits for one batch, not for the dataset;
 the main process never holds the tokenizer or more than a few chunks; and
 tokenization (chat templates are Python) never competes with the generator
 for the main process's interpreter lock.
@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import threading
 import time
 import traceback
 from array import array
@@ -106,30 +107,36 @@ class _Known:
             stat = _store.final_path(self.out, index).stat()
         except FileNotFoundError:
             return False, None
-        for tokens, record, size, inode, mtime_ns in self.entries.get(index, ()):
+        # The last entry that describes the file wins, as in ``_store``.
+        for tokens, record, size, inode, mtime_ns in reversed(
+            self.entries.get(index, ())
+        ):
             if (size, inode, mtime_ns) == (stat.st_size, stat.st_ino, stat.st_mtime_ns):
                 return True, (tokens, record)
         return True, None
 
 
 def _feed(spec: FeedSpec, out: Any) -> None:
-    """The feeding process: puts ("chunk", todos, done, rewrites), then ("end", ...).
+    """The feeding process: sends ("chunk", todos, done, rewrites), then ("end", ...).
 
     Or ("usage", message) for bad input, ("crash", traceback) for anything else.
+    ``out`` is the write end of a pipe only the main process reads: a send
+    blocks while the main process is behind (backpressure), and fails once it
+    is gone, which ends this process at once.
     """
+    import signal
+
     from specshim import _settings
     from specshim._dataset import RecordStream, Tokenizing
 
-    parent = os.getppid()
+    # Ctrl-C is the main process's to handle; it stops this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def put(item: tuple[Any, ...]) -> None:
-        while True:
-            try:
-                out.put(item, timeout=1.0)
-                return
-            except queue.Full:
-                if os.getppid() != parent:  # the main process is gone
-                    raise SystemExit(1) from None
+        try:
+            out.send(item)
+        except OSError:  # BrokenPipeError: nobody reads any more
+            os._exit(1)
 
     try:
         if spec.trust_remote_code:
@@ -198,9 +205,15 @@ class Feed:
     def __init__(self, spec: FeedSpec) -> None:
         self.spec = spec
         context = multiprocessing.get_context("spawn")
-        self.queue = context.Queue(maxsize=QUEUE_CHUNKS)
+        self._receive, self._send = context.Pipe(duplex=False)
         self.process = context.Process(
-            target=_feed, args=(spec, self.queue), name="specshim-feed", daemon=True
+            target=_feed, args=(spec, self._send), name="specshim-feed", daemon=True
+        )
+        # Read by a thread as the feed sends, at most QUEUE_CHUNKS ahead; it
+        # ends with the feed's last message, or ("dead",) at end of file.
+        self.items: queue.Queue[tuple[Any, ...]] = queue.Queue(maxsize=QUEUE_CHUNKS)
+        self._reader = threading.Thread(
+            target=self._read, name="specshim-feed-reader", daemon=True
         )
         self.done = 0
         self.rewrites: dict[str, int] = {}
@@ -210,11 +223,25 @@ class Feed:
 
     def start(self) -> Feed:
         self.process.start()
+        # Only the feed holds the write end now: if it dies, even halfway
+        # through a message, the reader sees end of file instead of waiting.
+        self._send.close()
+        self._reader.start()
         return self
+
+    def _read(self) -> None:
+        while True:
+            try:
+                item = self._receive.recv()
+            except (EOFError, OSError):
+                item = ("dead",)
+            self.items.put(item)
+            if item[0] != "chunk":
+                return
 
     def __iter__(self) -> Iterator[Todo]:
         while True:
-            kind, *fields = self._get()
+            kind, *fields = self.items.get()
             if kind == "chunk":
                 todos, done, rewrites = fields
                 self.done += done
@@ -226,28 +253,19 @@ class Feed:
                 return
             elif kind == "usage":
                 raise UsageError(fields[0])
-            else:
+            elif kind == "crash":
                 raise SpecShimError(
                     "reading the dataset failed unexpectedly (a specshim bug; "
                     "please report it):\n" + fields[0]
                 )
-
-    def _get(self) -> tuple[Any, ...]:
-        while True:
-            try:
-                return self.queue.get(timeout=1.0)
-            except queue.Empty:
-                if self.process.is_alive():
-                    continue
-            try:  # it may have put its last item just before exiting
-                return self.queue.get(timeout=1.0)
-            except queue.Empty:
+            else:
+                self.process.join(timeout=5)
                 raise SpecShimError(
                     "the process reading the dataset (specshim-feed) died "
                     f"(exit code {self.process.exitcode}); out of memory is the "
                     "usual cause. Files written so far are complete; rerun the "
                     "same command to resume."
-                ) from None
+                )
 
     def close(self) -> None:
         if self.process.is_alive():
@@ -256,5 +274,13 @@ class Feed:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=10)
-        self.queue.close()
-        self.queue.cancel_join_thread()
+        self._send.close()
+        # The feed is gone, so the reader meets end of file; let it hand over
+        # what it holds and stop before its end of the pipe is closed.
+        deadline = time.monotonic() + 10
+        while self._reader.is_alive() and time.monotonic() < deadline:
+            try:
+                self.items.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self._receive.close()

@@ -141,6 +141,10 @@ class Run:
         self.heartbeat = out / META / "runs" / self.id
         self.manifest = out / META / "manifest" / f"{self.id}.jsonl"
         self._manifest_handle: Any = None
+        # The writer thread records while the main thread may close the run
+        # (Ctrl-C twice): nothing is recorded after close.
+        self._lock = threading.Lock()
+        self._closed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -162,9 +166,11 @@ class Run:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._manifest_handle is not None:
-            self._manifest_handle.close()
-            self._manifest_handle = None
+        with self._lock:
+            self._closed = True
+            if self._manifest_handle is not None:
+                self._manifest_handle.close()
+                self._manifest_handle = None
         self.heartbeat.unlink(missing_ok=True)
         for leftover in self.out.glob(f".*.{self.id}.partial"):
             leftover.unlink(missing_ok=True)
@@ -222,18 +228,12 @@ class Run:
         return read_config(self.out) or config
 
     def annotate(self, fields: dict[str, Any]) -> None:
-        """Add ``fields`` to this run's manifest header (a run that wrote nothing
-        has no manifest, and nothing to annotate)."""
-        if self._manifest_handle is not None:
-            self._manifest_handle.write(json.dumps(fields) + "\n")
-            self._manifest_handle.flush()
+        """Add ``fields`` to this run's manifest header (read by ``status``)."""
+        with self._lock:
+            self._write_line(json.dumps(fields))
 
     def record(self, entry: Entry) -> None:
         """Append ``entry`` to this run's manifest (flushed before the rename)."""
-        if self._manifest_handle is None:
-            self._manifest_handle = self.manifest.open("a", encoding="utf-8")
-            header = {"run": self.id, "started": time.time(), **self.header}
-            self._manifest_handle.write(json.dumps(header) + "\n")
         line = json.dumps(
             [
                 entry.index,
@@ -245,9 +245,19 @@ class Run:
                 entry.num_tokens,
             ]
         )
+        with self._lock:
+            self._write_line(line)
+            os.fsync(self._manifest_handle.fileno())
+
+    def _write_line(self, line: str) -> None:
+        if self._closed:
+            raise SpecShimError(f"run {self.id} is closed; nothing more is recorded")
+        if self._manifest_handle is None:
+            self._manifest_handle = self.manifest.open("a", encoding="utf-8")
+            header = {"run": self.id, "started": time.time(), **self.header}
+            self._manifest_handle.write(json.dumps(header) + "\n")
         self._manifest_handle.write(line + "\n")
         self._manifest_handle.flush()
-        os.fsync(self._manifest_handle.fileno())
 
 
 def _pid_alive(pid: int) -> bool:

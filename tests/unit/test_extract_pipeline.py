@@ -163,7 +163,8 @@ def test_a_failing_writer_stops_the_run(tmp_path, tiny_model_dir, fake, monkeypa
     with pytest.raises(SpecShimError, match=r"writing data_9\.pt failed .*No space"):
         extract(_options(model, data, out))
     assert sorted(_written(out)) == list(range(9))
-    assert fake[0].calls < 10, "generation went on after the writer failed"
+    # Batch 3 (samples 8-11) fails; one batch generating and one waiting at most.
+    assert fake[0].calls <= 5, "generation went on after the writer failed"
 
 
 def test_the_feed_skips_what_out_holds_and_names_rewrites(
@@ -179,18 +180,58 @@ def test_the_feed_skips_what_out_holds_and_names_rewrites(
     (out / "data_4.pt").write_bytes(b"foreign")  # the file changed
     counts = extract(_options(model, data, out))
     assert counts["skipped"] == 4 and counts["written"] == 2
+    assert len(fake) == 2
+    # Nothing left to do: no model is loaded.
+    assert extract(_options(model, data, out))["skipped"] == 6 and len(fake) == 2
     assert counts["rewritten"] == {_feed.CHANGED_SAMPLE: 1, _feed.CHANGED_FILE: 1}
     assert _written(out)[2] == [50]
 
 
-def test_a_dead_feed_process_is_an_error(tmp_path, tiny_model_dir, monkeypatch):
+def test_a_short_batch_from_the_generator_is_refused(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    class Short(FakeGenerator):
+        def generate(self, batch):
+            return super().generate(batch)[:-1]
+
+    monkeypatch.setattr(_extract, "_make_generator", lambda options, layers: Short())
+    monkeypatch.setattr(_extract, "_on_cpu", lambda: False)
     model = tiny_model_dir("llama")
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(4)])
+    with pytest.raises(SpecShimError, match="returned 3 results for 4 samples"):
+        extract(_options(model, data, tmp_path / "out"))
+    assert not _written(tmp_path / "out")
+
+
+def _feed_spec(tmp_path: Path, model: Path) -> _feed.FeedSpec:
     data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [1]}])
-    spec = _feed.FeedSpec(data, model, tmp_path, (0, 1), None, None, 320, 10, False)
-    feed = _feed.Feed(spec)
+    return _feed.FeedSpec(data, model, tmp_path, (0, 1), None, None, 320, 10, False)
+
+
+def test_a_dead_feed_process_is_an_error(tmp_path, tiny_model_dir):
+    feed = _feed.Feed(_feed_spec(tmp_path, tiny_model_dir("llama")))
     feed.process = type(feed.process)(target=_exit_hard, daemon=True)
     feed.start()
     with pytest.raises(SpecShimError, match=r"specshim-feed\) died \(exit code 3\)"):
+        list(feed)
+    feed.close()
+
+
+def test_a_feed_killed_halfway_through_a_message_is_an_error_not_a_hang(
+    tmp_path, tiny_model_dir
+):
+    import os
+    import signal
+    import time
+
+    feed = _feed.Feed(_feed_spec(tmp_path, tiny_model_dir("llama")))
+    feed.process = type(feed.process)(
+        target=_send_huge, args=(feed._send,), daemon=True
+    )
+    feed.start()
+    time.sleep(1.0)  # it is blocked inside send(): the pipe holds 64 KiB
+    os.kill(feed.process.pid, signal.SIGKILL)
+    with pytest.raises(SpecShimError, match=r"died \(exit code -9\)"):
         list(feed)
     feed.close()
 
@@ -199,6 +240,10 @@ def _exit_hard() -> None:
     import os
 
     os._exit(3)
+
+
+def _send_huge(out) -> None:
+    out.send(("chunk", [b"x" * (64 << 20)], 0, {}))
 
 
 def test_shard_auto_from_slurm_and_kubernetes_covers_the_dataset(
