@@ -620,9 +620,9 @@ def _on_cpu() -> bool:
 
 
 def _make_generator(options: ExtractOptions, layers: list[int]) -> Any:
+    # specshim is imported (this module is part of it), so the patches are
+    # armed before speculators' modules load here.
     from speculators.data_generation import VllmHiddenStatesGenerator
-
-    import specshim  # noqa: F401  (arms the patches before speculators loads)
 
     return VllmHiddenStatesGenerator(
         str(options.model),

@@ -11,6 +11,7 @@ from specshim._registry import (
     records,
     strict,
     version_advice,
+    vllm_release_status,
 )
 from specshim._settings import settings, trust_remote_code
 
@@ -49,8 +50,10 @@ def report() -> dict[str, Any]:
                 "optional": patch.optional,
             }
         )
+    release, release_why = vllm_release_status()
     return {
         "versions": {name: installed_version(name) for name in PACKAGES},
+        "vllm_release": {"status": release, "detail": release_why},
         "plugin": plugin_status(),
         "strict": strict(),
         "disabled": os.environ.get("SPECSHIM_DISABLE", ""),
@@ -82,6 +85,12 @@ def _advice(patches: list[dict[str, Any]]) -> list[str]:
             f"VLLM_PLUGINS={plugin['VLLM_PLUGINS']!r} filters specshim out: add "
             "'specshim' to it or unset it."
         )
+    release, why = vllm_release_status()
+    if release == "untested":
+        advice.append(
+            f"{why}. Run `specshim check` (and the compatibility suite, `make "
+            "test-matrix VERSIONS=<this release>`) before launching jobs."
+        )
     for name in ("vllm", "speculators"):
         if installed_version(name) is None:
             advice.append(f"{name} is not installed in this environment.")
@@ -102,6 +111,10 @@ def format_report(data: dict[str, Any] | None = None) -> str:
         f"  {name:<13} {ver or 'not installed'}"
         for name, ver in data["versions"].items()
     ]
+    release = data.get("vllm_release")
+    if release:
+        mark = "UNTESTED: " if release["status"] == "untested" else ""
+        lines.append(f"  {'release':<13} {mark}{release['detail']}")
     plugin = data["plugin"]
     installed = "installed" if plugin["installed"] else "MISSING"
     allowed = "allowed" if plugin["allowed"] else "FILTERED OUT"

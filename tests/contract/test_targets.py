@@ -76,6 +76,38 @@ def _has_kimi_k25():
     return importlib.util.find_spec("vllm.model_executor.models.kimi_k25") is not None
 
 
+def _deepseek_declares_eagle3():
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    return bool(supports_eagle3(DeepseekV2ForCausalLM))
+
+
+def _cpu_memory_ignores_the_kv_space_variable():
+    """vLLM 0.20: the CPU platform reports the machine's memory, not the
+    VLLM_CPU_KVCACHE_SPACE it reported before."""
+    import os
+
+    from vllm.platforms.cpu import CpuPlatform
+
+    saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    try:
+        return CpuPlatform.get_device_total_memory() != 1 << 30
+    finally:
+        if saved is None:
+            del os.environ["VLLM_CPU_KVCACHE_SPACE"]
+        else:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
+
+
+def _cpu_runner_on_the_v2_runner():
+    try:
+        return importlib.util.find_spec("vllm.v1.worker.cpu.model_runner") is not None
+    except ModuleNotFoundError:  # no vllm.v1.worker.cpu package at all
+        return False
+
+
 # (drift row, fact, since, check)
 FACTS = [
     (
@@ -117,10 +149,44 @@ FACTS = [
         lambda: "block_hasher" in parameters(_gen("Request")),
     ),
     (
-        6,
+        15,
         "Request lost eos_token_id",
-        None,
+        (0, 17),
         lambda: "eos_token_id" not in parameters(_gen("Request")),
+    ),
+    (16, "DeepSeek declares SupportsEagle3", (0, 18), _deepseek_declares_eagle3),
+    (
+        17,
+        "Scheduler takes hash_block_size",
+        (0, 20),
+        lambda: "hash_block_size" in parameters(_gen("Scheduler")),
+    ),
+    (
+        17,
+        "EngineCore resolves block sizes with resolve_kv_cache_block_sizes",
+        (0, 20),
+        lambda: hasattr(
+            importlib.import_module("vllm.v1.core.kv_cache_utils"),
+            "resolve_kv_cache_block_sizes",
+        ),
+    ),
+    (
+        22,
+        "ModelConfig takes language_model_only",
+        (0, 17),
+        lambda: "language_model_only" in parameters(_gen("ModelConfig")),
+    ),
+    (
+        0,
+        "CPU platform memory ignores VLLM_CPU_KVCACHE_SPACE",
+        (0, 20),
+        _cpu_memory_ignores_the_kv_space_variable,
+    ),
+    (
+        18,
+        "a CPU model runner built on the V2 runner",
+        (0, 23),
+        _cpu_runner_on_the_v2_runner,
     ),
     (
         7,

@@ -26,9 +26,15 @@ def test_every_patch_file_registers_one_patch():
     assert len(ids) == len(PATCH_FILES) == len(set(ids))
 
 
+# Rows of VLLM_DRIFT.md no patch answers: 19-21 arrive after the newest tested
+# release (vLLM 0.24+: transformers 5, the warm-up, CPU MLA); 23 is vLLM's
+# native extraction, another way to get states, not a break.
+NOT_PATCHED = {19, 20, 21, 23}
+
+
 def test_every_drift_row_is_covered():
     rows = {row for p in specshim.registry() for row in p.drift_rows}
-    assert rows == set(range(1, 15))
+    assert rows == set(range(1, 24)) - NOT_PATCHED
 
 
 def test_kimi_fixture_carries_the_deepseek_text_weights(tmp_path):

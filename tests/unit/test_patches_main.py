@@ -152,6 +152,40 @@ def test_scheduler_gets_engine_core_block_size():
     assert sched.block_size == 32
 
 
+def test_scheduler_gets_both_block_sizes_where_vllm_resolves_them(monkeypatch):
+    """vLLM 0.20's shape: EngineCore asks resolve_kv_cache_block_sizes."""
+    from vllm.v1.core import kv_cache_utils
+
+    class Scheduler:
+        def __init__(
+            self,
+            vllm_config,
+            kv_cache_config,
+            structured_output_manager,
+            block_size,
+            hash_block_size=None,
+        ):
+            self.sizes = (block_size, hash_block_size)
+
+    asked = []
+
+    def resolve(kv_cache_config, vllm_config):
+        asked.append(kv_cache_config)
+        return 48, 16  # e.g. groups of block sizes 16 and 48
+
+    monkeypatch.setattr(
+        kv_cache_utils, "resolve_kv_cache_block_sizes", resolve, raising=False
+    )
+    make = _applied(scheduler_block_size, Scheduler)
+    groups = object()
+    sched = make(
+        vllm_config=_vllm_config(16),
+        kv_cache_config=groups,
+        structured_output_manager=None,
+    )
+    assert sched.sizes == (48, 16) and asked == [groups]
+
+
 class RequestNightly:
     """The 0.16 nightly shape: no eos_token_id."""
 
@@ -300,6 +334,18 @@ def test_cpu_torch_view_reports_kv_space_and_forwards_the_rest(monkeypatch):
     assert isinstance(torch.zeros(1), view.Tensor)
 
 
+def test_cpu_kv_space_is_the_variable_whatever_the_platform_reports(monkeypatch):
+    """vLLM 0.20's platform reports the machine's memory even with the variable
+    set; speculators must still get the space the user set aside."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "get_device_total_memory", lambda: 64 << 30)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    assert cpu_kv_cache_space._cpu_kv_cache_space() == 3 << 30
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    assert cpu_kv_cache_space._cpu_kv_cache_space() == 64 << 30
+
+
 @pytest.mark.parametrize(
     ("batch", "message"),
     [
@@ -422,6 +468,31 @@ def test_text_only_loading_leaves_text_models_and_caller_limits(monkeypatch):
     assert build(model="llama").limits is None
     chosen = build(model="kimi", modalities=("vision_chunk",), limit_mm_per_prompt={})
     assert chosen.limits == {}
+
+
+class ModelConfig017(ModelConfigFake):
+    """vLLM 0.17's shape: ``language_model_only`` limits every modality."""
+
+    def __init__(
+        self, model, limit_mm_per_prompt=None, language_model_only=False, modalities=()
+    ):
+        super().__init__(model, limit_mm_per_prompt, modalities)
+        self.text_only = language_model_only
+
+
+def test_text_only_loading_uses_language_model_only_where_it_exists(monkeypatch):
+    from specshim.patches.main import text_only_loading
+
+    def never(config):
+        raise AssertionError("no processor is needed with language_model_only")
+
+    monkeypatch.setattr(text_only_loading, "supported_modalities", never)
+    build = text_only_loading.PATCH.build(ModelConfig017)
+    kimi = build(model="kimi", modalities=("vision_chunk",))
+    assert kimi.text_only is True and kimi.limits is None
+    # What the caller chose stands.
+    assert build(model="kimi", limit_mm_per_prompt={}).text_only is False
+    assert build(model="kimi", language_model_only=False).text_only is False
 
 
 def test_text_only_loading_needs_the_limit_parameter():

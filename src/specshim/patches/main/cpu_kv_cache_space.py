@@ -8,9 +8,14 @@ Why:
     ``torch`` whose ``cuda.mem_get_info()`` reports vLLM's CPU KV-cache space
     (``VLLM_CPU_KVCACHE_SPACE`` GiB, or vLLM's own default) as free memory, so
     speculators' own fractions apply to the memory vLLM set aside for KV cache.
-    Everything else in that ``torch`` is the real module.
+    Everything else in that ``torch`` is the real module. The variable is read
+    here, as vLLM parses it: from vLLM 0.20 the platform's
+    ``get_device_total_memory()`` is the machine's memory whatever it says,
+    and only an engine vLLM builds itself applies the variable.
 Upstream change:
-    Not drift: speculators assumes a CUDA device.
+    Not drift: speculators assumes a CUDA device. vLLM 0.20 moved the
+    variable from ``CpuPlatform.get_device_total_memory`` to
+    ``cache_config.kv_cache_memory_bytes``, which speculators never reads.
 Remove when:
     speculators sizes the KV cache through vLLM's platform API.
 """
@@ -26,8 +31,15 @@ from specshim.patches._util import GENERATOR
 
 
 def _cpu_kv_cache_space() -> int:
+    """Bytes: ``VLLM_CPU_KVCACHE_SPACE`` GiB if set, else the platform's figure
+    (before vLLM 0.20 its default KV-cache space; from 0.20 the machine's
+    memory, which speculators then scales by its fractions as on a GPU)."""
+    from vllm import envs
     from vllm.platforms.cpu import CpuPlatform
 
+    space = envs.VLLM_CPU_KVCACHE_SPACE
+    if space:
+        return int(space) << 30
     return int(CpuPlatform.get_device_total_memory())
 
 
@@ -67,7 +79,7 @@ PATCH = register(
         probe=_probe,
         build=_TorchOnCpu,
         why=__doc__ or "",
-        upstream="none: speculators calls torch.cuda.mem_get_info()",
+        upstream="none: torch.cuda.mem_get_info(); 0.20: the variable moved",
         remove_when="speculators sizes the KV cache through vLLM's platform",
         drift_rows=(9,),
     )

@@ -1,20 +1,23 @@
-"""``Request`` arguments: ``eos_token_id`` gone on nightlies; block hashes.
+"""``Request`` arguments: ``eos_token_id`` gone from vLLM 0.17; block hashes.
 
 Why:
     speculators builds ``Request(request_id=, prompt_token_ids=,
     sampling_params=, pooling_params=, eos_token_id=, arrival_time=)``.
-    A vLLM 0.16 nightly dropped ``eos_token_id`` from the constructor
-    (``TypeError: unexpected keyword argument 'eos_token_id'``); the 0.16.0
-    release still takes it. speculators also passes no ``block_hasher``, which
-    leaves ``request.block_hashes`` empty: harmless with prefix caching off
-    (the ``prefix-caching-off`` patch), but with caching on the block pool
-    asserts ``len(request.block_hashes) >= num_full_blocks``. When the
+    vLLM 0.17.0 (first in a 0.16 nightly) dropped ``eos_token_id`` from the
+    constructor (``TypeError: unexpected keyword argument 'eos_token_id'``);
+    the 0.16.0 release still takes it, and the argument is dropped only where
+    the constructor has no such parameter. speculators also passes no
+    ``block_hasher``, which leaves ``request.block_hashes`` empty: harmless
+    with prefix caching off (the ``prefix-caching-off`` patch), but with
+    caching on the block pool asserts ``len(request.block_hashes) >=
+    num_full_blocks``. When the
     generator's cache config has caching on, requests get the hasher vLLM's
     EngineCore would give them: ``get_request_block_hasher(block_size,
     hash_fn)`` after ``init_none_hash(hash_fn)``.
 Upstream change:
-    vLLM 0.12: ``Request(..., block_hasher=)``; a 0.16 nightly: no
-    ``eos_token_id`` (the eos id moved into the sampling params).
+    vLLM 0.12: ``Request(..., block_hasher=)``; 0.17.0 (a 0.16 nightly
+    before it): no ``eos_token_id`` (the eos id moved into the sampling
+    params).
 Remove when:
     speculators builds requests the way EngineCore does
     (``Request.from_engine_core_request`` with the engine's block hasher).
@@ -91,8 +94,8 @@ PATCH = register(
         probe=_probe,
         build=lambda original: adapt_kwargs(original, _adapt(parameters(original))),
         why=__doc__ or "",
-        upstream="vLLM 0.12: block_hasher; 0.16 nightly: no eos_token_id",
+        upstream="vLLM 0.12: block_hasher; 0.17.0: no eos_token_id",
         remove_when="speculators builds requests like EngineCore",
-        drift_rows=(6,),
+        drift_rows=(6, 15),
     )
 )

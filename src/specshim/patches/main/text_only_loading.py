@@ -11,11 +11,14 @@ Why:
     ``image``/``video`` limits have no effect on it) and rebuilds the
     ``ModelConfig`` with each of them limited to 0. The text model's weights
     and outputs are unchanged; a ``limit_mm_per_prompt`` passed by the caller
-    is kept as given. Disable this patch to load the towers anyway.
+    is kept as given. Disable this patch to load the towers anyway. From vLLM
+    0.17 ``ModelConfig(language_model_only=True)`` says the same in one
+    argument (every modality limited to 0); there the config is built once,
+    with it, and no processor is created to ask.
 Upstream change:
     Not drift: a saving since vLLM 0.15, which skips building encoder towers
     whose modalities are all limited to 0 (``SupportsMultiModal._mark_tower_model``)
-    and added Kimi-K2.5.
+    and added Kimi-K2.5. vLLM 0.17: ``ModelConfig(language_model_only=)``.
 Remove when:
     speculators builds its ``ModelConfig`` text-only itself.
 """
@@ -55,10 +58,22 @@ def supported_modalities(model_config: Any) -> list[str]:
 
 
 def _build(original: Any) -> Any:
+    direct = "language_model_only" in parameters(original)
+
     @functools.wraps(original, updated=())
     def model_config(*args: Any, **kwargs: Any) -> Any:
+        chosen = kwargs.get("limit_mm_per_prompt") is not None
+        if direct and not chosen and "language_model_only" not in kwargs:
+            config = original(*args, **kwargs, language_model_only=True)
+            if getattr(config, "multimodal_config", None) is not None:
+                logger.info(
+                    "specshim: loading %s text-only (language_model_only): its "
+                    "encoder towers are never used for hidden-state extraction",
+                    config.architecture,
+                )
+            return config
         config = original(*args, **kwargs)
-        if kwargs.get("limit_mm_per_prompt") is not None:
+        if chosen or "language_model_only" in kwargs:
             return config
         modalities = supported_modalities(config)
         if not modalities:
@@ -88,7 +103,8 @@ PATCH = register(
         probe=_probe,
         build=_build,
         why=__doc__ or "",
-        upstream="none: towers are skipped when all their modalities are 0",
+        upstream="none: towers skipped at limit 0; 0.17: language_model_only",
         remove_when="speculators loads multimodal targets text-only",
+        drift_rows=(22,),
     )
 )

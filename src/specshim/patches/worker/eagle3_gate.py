@@ -11,11 +11,12 @@ Why:
     passes or a decoder stack can be found (``capture-hooks`` finds it the same
     way).
 Upstream change:
-    Always: DeepseekV2/V3 and KimiK25ForConditionalGeneration never implemented
-    SupportsEagle3 in vLLM 0.11 - 0.16.
+    DeepseekV2/V3 and KimiK25ForConditionalGeneration did not implement
+    SupportsEagle3 in vLLM 0.11 - 0.17; from 0.18.0 they do, and vLLM's own
+    check accepts them.
 Remove when:
-    vLLM's DeepSeek and Kimi models implement SupportsEagle3, or speculators
-    gates on structure.
+    vLLM 0.18 is the oldest release supported (the gate is not needed from
+    there on), or speculators gates on structure.
 """
 
 from __future__ import annotations
@@ -52,12 +53,12 @@ PATCH = register(
         module=WORKER,
         attribute="supports_eagle3",
         package="vllm",
-        versions=">=0.11",
+        versions=">=0.11,<0.18",
         probe=_probe,
         build=_build,
         why=__doc__ or "",
-        upstream="none: DeepSeek/Kimi never declared SupportsEagle3",
+        upstream="vLLM 0.18.0: DeepSeek/Kimi declare SupportsEagle3",
         remove_when="vLLM's DeepSeek models implement SupportsEagle3",
-        drift_rows=(11,),
+        drift_rows=(11, 16),
     )
 )
