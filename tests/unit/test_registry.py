@@ -319,31 +319,21 @@ def test_a_stale_dist_info_alias_does_not_name_the_vllm_that_imports(tmp_path):
     (tmp_path / "vllm" / "_version.py").write_text("__version__ = version = '0.17.1'\n")
     alias = tmp_path / "vllm-0.0.0.dist-info"
     alias.mkdir()
-    (alias / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: vllm\nVersion: 0.16.0+cpu\n"
-    )
     code = "from specshim._registry import installed_version as v; print(v('vllm'))"
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    )
-    assert out.stdout.strip() == "0.17.1"
+
+    def seen_with_alias(version: str) -> str:
+        (alias / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+        )
+        command = [sys.executable, "-c", code]
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert seen_with_alias("0.16.0+cpu") == "0.17.1"
     # An alias that agrees keeps its local tag.
-    (alias / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: vllm\nVersion: 0.17.1+cpu\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    )
-    assert out.stdout.strip() == "0.17.1+cpu"
+    assert seen_with_alias("0.17.1+cpu") == "0.17.1+cpu"
 
 
 def test_on_an_untested_release_the_probe_decides_unless_strict(monkeypatch):
