@@ -16,7 +16,6 @@ that names its line; nothing after it is sent, so nothing after it is written.
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import queue
@@ -31,8 +30,6 @@ from typing import Any
 
 from specshim import _store
 from specshim._errors import SpecShimError, UsageError
-
-logger = logging.getLogger(__name__)
 
 # A chunk is sent when it holds this many samples or tokens, or has waited
 # this long; at most QUEUE_CHUNKS chunks wait in the queue.
@@ -72,7 +69,6 @@ class Todo:
     tokens: str  # token_digest of (input_ids, loss_mask)
     input_ids: array  # array('i')
     loss_mask: array  # array('b')
-    why: str | None  # why an existing file is rewritten; None: there was none
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -156,15 +152,12 @@ def _feed(spec: FeedSpec, out: Any) -> None:
             else:
                 sample = tokenizing.sample(record, spec.vocab_size, spec.max_len)
                 digest = _store.token_digest(sample.input_ids, sample.loss_mask)
-                why = None
                 if proven is not None and proven[0] == bytes.fromhex(digest):
                     done += 1  # another record, the same tokens
                 else:
-                    if proven is not None:
-                        why = CHANGED_SAMPLE
-                    elif exists:
-                        why = CHANGED_FILE
-                    if why:
+                    # Why an existing file is rewritten (counted for the log).
+                    why = CHANGED_SAMPLE if proven is not None else CHANGED_FILE
+                    if exists:
                         rewrites[why] = rewrites.get(why, 0) + 1
                     chunk.append(
                         Todo(
@@ -174,7 +167,6 @@ def _feed(spec: FeedSpec, out: Any) -> None:
                             digest,
                             array("i", sample.input_ids),
                             array("b", sample.loss_mask),
-                            why,
                         )
                     )
                     tokens += len(sample.input_ids)
