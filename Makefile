@@ -32,7 +32,7 @@ test-e2e: setup
 	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
 
 # One environment per vLLM release (.venv-vllm<ver>): every release specshim
-# calls tested (specshim._registry.TESTED_VLLM), or VERSIONS=0.11.0,0.16.0 for
+# calls tested (specshim._versions.TESTED_VLLM), or VERSIONS=0.11.0,0.16.0 for
 # a subset. Writes matrix/results/ and the README's compatibility table.
 VERSIONS ?=
 MATRIX_ARGS ?= --write-readme README.md

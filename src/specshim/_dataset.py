@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specshim._errors import UsageError
+from specshim._base import UsageError
 from specshim._settings import trust_remote_code
 from specshim._store import record_digest
 

@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from specshim import _settings, _store
+from specshim._base import PACKAGES, SpecShimError, UsageError
 from specshim._dataset import warn_truncated
-from specshim._errors import SpecShimError, UsageError
 from specshim._feed import Feed, FeedSpec, Todo
-from specshim._registry import installed_version
 from specshim._settings import DEFAULT_BATCH_SIZE, STEP_DEFAULTS, trust_remote_code
 from specshim._store import final_path
+from specshim._versions import installed_version
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +84,9 @@ class ExtractOptions:
 
 
 def step_settings(options: ExtractOptions) -> dict[str, Any]:
-    """Apply the step budget for this run (flag > environment > STEP_DEFAULTS)."""
-    chosen = {}
-    for knob in _settings.KNOBS:
-        flag = getattr(options, knob.name)
-        if flag is not None:
-            chosen[knob.name] = flag
-        elif not os.environ.get(knob.env, "").strip():
-            chosen[knob.name] = STEP_DEFAULTS[knob.name]
-    return _settings._configure(chosen, reset=False, caller="extract")
+    """Put this run's step budget in force (flag > environment > STEP_DEFAULTS)."""
+    flags = {knob.name: getattr(options, knob.name) for knob in _settings.KNOBS}
+    return _settings.apply_resolved(_settings.resolve(flags, STEP_DEFAULTS, "extract"))
 
 
 def parse_layers(text: str | None) -> list[int] | None:
@@ -219,10 +213,7 @@ def _config(identity: dict[str, Any], options: ExtractOptions) -> dict[str, Any]
         format="speculators-0.3.0 hidden states (data_{i}.pt per sample)",
         files="data_{i}.pt holds sample i of the dataset",
         hidden_states="one tensor per layer, in the order of 'layers'",
-        recorded_versions={
-            n: installed_version(n)
-            for n in ("vllm", "speculators", "torch", "transformers")
-        }
+        recorded_versions={n: installed_version(n) for n in PACKAGES}
         | {"specshim": specshim.__version__},
     )
     return config
@@ -379,12 +370,11 @@ def extract(options: ExtractOptions) -> dict[str, Any]:
 
     The step budget it sets (``step_settings``) is undone on return.
     """
-    saved = _settings.snapshot()
     kv_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     try:
-        return _extract(options)
+        with _settings.preserved():
+            return _extract(options)
     finally:
-        _settings.restore(saved)
         if kv_space is None:
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         else:

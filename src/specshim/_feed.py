@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from specshim import _store
-from specshim._errors import SpecShimError, UsageError
+from specshim._base import SpecShimError, UsageError
 
 # A chunk is sent when it holds this many samples or tokens, or has waited
 # this long; at most QUEUE_CHUNKS chunks wait in the queue.

@@ -80,6 +80,18 @@ def when_imported(name: str, callback: Callback) -> None:
         callback(module)
 
 
+def forget(name: str, callback: Callback) -> None:
+    """Undo ``when_imported``; the finder leaves ``sys.meta_path`` with the last."""
+    with _lock:
+        callbacks = _callbacks.get(name, [])
+        while callback in callbacks:
+            callbacks.remove(callback)
+        if not callbacks:
+            _callbacks.pop(name, None)
+        if not _callbacks and _finder in sys.meta_path:
+            sys.meta_path.remove(_finder)
+
+
 def _fire(module: Any) -> None:
     with _lock:
         callbacks = list(_callbacks.get(module.__name__, ()))

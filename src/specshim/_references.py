@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from specshim._errors import SpecShimError
+from specshim._base import SpecShimError
 
 MODES = ("auto", "hf", "solo")
 GIB = 1 << 30

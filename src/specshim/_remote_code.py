@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specshim._errors import SpecShimError, UsageError
+from specshim._base import SpecShimError, UsageError
 from specshim._settings import TRUST_ENV, trust_remote_code
 
 TYPE_CHECKING = False

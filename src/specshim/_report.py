@@ -5,18 +5,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from specshim._registry import (
-    State,
-    installed_version,
-    records,
-    strict,
-    version_advice,
-    vllm_release_status,
-)
-from specshim._settings import settings, trust_remote_code
+from specshim._base import GENERATOR, PACKAGES
+from specshim._registry import records
+from specshim._settings import settings, strict, trust_remote_code
+from specshim._types import State
+from specshim._versions import installed_version, version_advice, vllm_release_status
 
 PLUGIN_NAME = "specshim"
-PACKAGES = ("vllm", "speculators", "torch", "transformers")
 
 
 def plugin_status() -> dict[str, Any]:
@@ -161,9 +156,7 @@ def model_report(path: str) -> dict[str, Any]:
 
     from specshim.patches.main.text_only_loading import supported_modalities
 
-    generator = importlib.import_module(
-        "speculators.data_generation.vllm_hidden_states_generator"
-    )
+    generator = importlib.import_module(GENERATOR)
     config = generator.ModelConfig(
         model=path, tokenizer=path, trust_remote_code=trust_remote_code(), dtype="auto"
     )

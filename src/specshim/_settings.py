@@ -25,7 +25,7 @@ import sys
 import threading
 
 from specshim import _hooks
-from specshim._registry import GENERATOR, SpecShimError
+from specshim._base import GENERATOR, SpecShimError
 
 TYPE_CHECKING = False  # typing costs ~15 ms to import; annotations are strings
 if TYPE_CHECKING:
@@ -35,20 +35,35 @@ if TYPE_CHECKING:
 class Knob:
     """One setting (a plain class: a dataclass costs import time)."""
 
-    __slots__ = ("constant", "env", "high", "kind", "low", "meaning", "name")
+    __slots__ = (
+        "constant",
+        "env",
+        "high",
+        "kind",
+        "low",
+        "meaning",
+        "name",
+        "speculators",
+    )
 
     def __init__(
         self,
-        name: str,  # configure() keyword
+        name: str,  # configure() keyword; extract's flag is --name-with-dashes
         constant: str,  # speculators' module constant
         env: str,  # environment variable
         kind: type,
         low: float,  # smallest allowed value
         high: float | None,  # largest allowed value (None: unbounded)
         meaning: str,
+        speculators: float,  # speculators 0.3.0's own value
     ) -> None:
         self.name, self.constant, self.env = name, constant, env
         self.kind, self.low, self.high, self.meaning = kind, low, high, meaning
+        self.speculators = speculators
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
 
 
 KNOBS: tuple[Knob, ...] = (
@@ -60,6 +75,7 @@ KNOBS: tuple[Knob, ...] = (
         1,
         None,
         "sequences per scheduler step",
+        32,
     ),
     Knob(
         "max_batched_tokens",
@@ -69,6 +85,7 @@ KNOBS: tuple[Knob, ...] = (
         1,
         None,
         "tokens per scheduler step (at least max_model_len)",
+        8192,
     ),
     Knob(
         "cache_memory_fraction",
@@ -78,6 +95,7 @@ KNOBS: tuple[Knob, ...] = (
         0.0,
         1.0,
         "fraction of free memory x gpu_memory_utilization given to the KV cache",
+        0.2,
     ),
 )
 _BY_NAME = {knob.name: knob for knob in KNOBS}
@@ -144,16 +162,42 @@ def _on_import(module: Any) -> None:
         _push(module)
 
 
-def _arm() -> None:
+def _write() -> None:
     """Write the settings now if speculators' module is loaded (else the hook will)."""
     module = sys.modules.get(GENERATOR)
     if module is not None:
         _on_import(module)
 
 
-# Fires when speculators' module is imported: the chosen values (or none yet)
-# are in place before any generator reads them.
-_hooks.when_imported(GENERATOR, _on_import)
+def arm() -> None:
+    """Hook speculators' module and read the environment (``import specshim`` does).
+
+    From then on the chosen values (or none yet) are in place before any
+    generator reads them, whenever speculators is imported.
+    """
+    with _lock:
+        first = not _armed
+        _armed[:] = [True]
+    if first:
+        _hooks.when_imported(GENERATOR, _on_import)
+    load_environment()
+
+
+def disarm() -> None:
+    """Undo ``arm`` and every ``configure``: speculators' own values, no hook.
+
+    ``specshim.revert()`` calls this; ``specshim.apply()`` arms again.
+    """
+    _hooks.forget(GENERATOR, _on_import)
+    with _lock:
+        _armed.clear()
+        _chosen.clear()
+        _sources.clear()
+        _trust.clear()
+    _write()
+
+
+_armed: list[bool] = []
 
 
 def configure(
@@ -172,7 +216,7 @@ def configure(
     refused. ``None`` leaves a setting as it is; ``reset=True`` first returns
     every setting to speculators' own value (and withdraws consent). Applies to
     generators constructed afterwards. Raises ``SpecShimError`` for a value out
-    of range.
+    of range. ``configured(...)`` does the same for a ``with`` block only.
     """
     given = {
         "max_num_seqs": max_num_seqs,
@@ -184,13 +228,91 @@ def configure(
             f"specshim.configure: trust_remote_code must be True or False, got "
             f"{trust_remote_code!r}"
         )
-    if reset:
-        with _lock:
+    chosen = _checked(given, "specshim.configure", "configure()")
+    with _lock:
+        if reset:
             _trust.clear()
-    if trust_remote_code is not None:
-        with _lock:
+            _chosen.clear()
+            _sources.clear()
+        if trust_remote_code is not None:
             _trust[:] = [trust_remote_code]
-    return _configure(given, reset, "specshim.configure")
+    _set(chosen)
+    return settings()
+
+
+class configured:  # noqa: N801 - used as a function: ``with specshim.configured(...)``
+    """``configure`` for the length of a ``with`` block; then exactly what was before.
+
+    ``with specshim.configured(max_num_seqs=64) as state:`` - generators built
+    inside use these values. Keywords as ``configure``; ``None`` leaves a
+    setting as it is. The values are checked when the block is entered.
+    """
+
+    def __init__(self, **knobs: Any) -> None:
+        unknown = set(knobs) - set(_BY_NAME)
+        if unknown:
+            raise SpecShimError(
+                f"specshim.configured: unknown setting(s) {sorted(unknown)}; "
+                f"known: {sorted(_BY_NAME)}"
+            )
+        self._knobs = knobs
+        self._saved: tuple[Any, ...] | None = None
+
+    def __enter__(self) -> dict[str, Any]:
+        chosen = _checked(self._knobs, "specshim.configured", "configured()")
+        self._saved = snapshot()
+        _set(chosen)
+        return settings()
+
+    def __exit__(self, *exc_info: object) -> None:
+        assert self._saved is not None
+        restore(self._saved)
+
+
+def resolve(
+    flags: dict[str, Any], defaults: dict[str, Any], caller: str
+) -> dict[str, tuple[Any, str]]:
+    """The one precedence rule: a flag, else the environment, else the default.
+
+    ``flags`` maps knob names to a value or None (not given). Returns each
+    knob's checked value and where it came from, for ``apply_resolved``.
+    """
+    out: dict[str, tuple[Any, str]] = {}
+    for knob in KNOBS:
+        flag = flags.get(knob.name)
+        raw = os.environ.get(knob.env, "").strip()
+        if flag is not None:
+            out[knob.name] = (_validate(knob, flag, caller), f"flag {knob.flag}")
+        elif raw:
+            where = f"environment {knob.env}"
+            out[knob.name] = (_validate(knob, raw, where), f"env {knob.env}")
+        else:
+            value = _validate(knob, defaults[knob.name], caller)
+            out[knob.name] = (value, f"{caller} default")
+    return out
+
+
+def apply_resolved(chosen: dict[str, tuple[Any, str]]) -> dict[str, Any]:
+    """Put ``resolve``'s values in force; returns ``settings()``."""
+    _set(chosen)
+    return settings()
+
+
+def _checked(
+    given: dict[str, Any], caller: str, source: str
+) -> dict[str, tuple[Any, str]]:
+    return {
+        name: (_validate(_BY_NAME[name], value, caller), source)
+        for name, value in given.items()
+        if value is not None
+    }
+
+
+def _set(chosen: dict[str, tuple[Any, str]]) -> None:
+    with _lock:
+        for name, (value, source) in chosen.items():
+            _chosen[name], _sources[name] = value, source
+    _write()
 
 
 def trust_remote_code() -> bool:
@@ -201,21 +323,14 @@ def trust_remote_code() -> bool:
     return os.environ.get(TRUST_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-def _configure(given: dict[str, Any], reset: bool, caller: str) -> dict[str, Any]:
-    """``configure`` with the caller named in errors (``extract`` uses it too)."""
-    checked = {
-        name: _validate(_BY_NAME[name], value, caller)
-        for name, value in given.items()
-        if value is not None
-    }
-    with _lock:
-        if reset:
-            _chosen.clear()
-            _sources.clear()
-        _chosen.update(checked)
-        _sources.update(dict.fromkeys(checked, "configure()"))
-    _arm()
-    return settings()
+class preserved:  # noqa: N801 - used as a function: ``with preserved():``
+    """Leaves the settings as the block found them (extract uses it)."""
+
+    def __enter__(self) -> None:
+        self._saved = snapshot()
+
+    def __exit__(self, *exc_info: object) -> None:
+        restore(self._saved)
 
 
 def snapshot() -> tuple[dict[str, Any], dict[str, str], list[bool]]:
@@ -225,14 +340,14 @@ def snapshot() -> tuple[dict[str, Any], dict[str, str], list[bool]]:
 
 
 def restore(saved: tuple[dict[str, Any], dict[str, str], list[bool]]) -> None:
-    """Put back what ``snapshot`` saw (extract uses this to leave no trace)."""
+    """Put back what ``snapshot`` saw."""
     with _lock:
         _chosen.clear()
         _chosen.update(saved[0])
         _sources.clear()
         _sources.update(saved[1])
         _trust[:] = saved[2]
-    _arm()
+    _write()
 
 
 def settings() -> dict[str, Any]:
@@ -257,7 +372,7 @@ def settings() -> dict[str, Any]:
 
 
 def load_environment() -> None:
-    """Read the ``SPECSHIM_*`` knob variables (called when specshim is imported)."""
+    """Read the ``SPECSHIM_*`` knob variables (``arm`` does, at import)."""
     found = {}
     for knob in KNOBS:
         raw = os.environ.get(knob.env, "").strip()
@@ -270,4 +385,16 @@ def load_environment() -> None:
             if name not in _chosen:  # configure() wins over the environment
                 _chosen[name] = value
                 _sources[name] = f"env {_BY_NAME[name].env}"
-    _arm()
+    _write()
+
+
+def disabled_ids() -> set[str]:
+    """Patch ids ``SPECSHIM_DISABLE`` (comma-separated) switches off; "all" is all."""
+    raw = os.environ.get("SPECSHIM_DISABLE", "")
+    return {item.strip() for item in raw.split(",") if item.strip()}
+
+
+def strict() -> bool:
+    """``SPECSHIM_STRICT=1``: an optional patch that cannot apply, or an untested
+    vLLM release, is an error rather than a warning."""
+    return os.environ.get("SPECSHIM_STRICT", "").lower() in ("1", "true", "yes")

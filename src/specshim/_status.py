@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specshim import _store
-from specshim._errors import UsageError
+from specshim._base import UsageError
 
 
 @dataclass

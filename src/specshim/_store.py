@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specshim._errors import SpecShimError, UsageError
+from specshim._base import SpecShimError, UsageError
 
 CONFIG_NAME = "data_config.json"
 META = ".specshim"

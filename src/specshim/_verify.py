@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from specshim._errors import SpecShimError, UsageError
+from specshim._base import SpecShimError, UsageError
 from specshim._store import CONFIG_NAME, read_config
 
 _NAME = re.compile(r"^data_(\d+)\.pt$")

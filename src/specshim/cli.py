@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from specshim._errors import SpecShimError, UsageError
-from specshim._settings import DEFAULT_BATCH_SIZE, STEP_DEFAULTS
+from specshim._base import SpecShimError, UsageError
+from specshim._settings import DEFAULT_BATCH_SIZE, KNOBS, STEP_DEFAULTS
 
 
 @contextlib.contextmanager
@@ -156,9 +156,7 @@ def _extract(args: argparse.Namespace) -> int:
         shard=parse_shard(args.shard),
         split=args.split,
         column=args.column,
-        max_num_seqs=args.max_num_seqs,
-        max_batched_tokens=args.max_batched_tokens,
-        cache_memory_fraction=args.cache_memory_fraction,
+        **{knob.name: getattr(args, knob.name) for knob in KNOBS},
         cpu_kv_space_gib=args.cpu_kv_space_gib,
     )
     with _stdout_to_stderr():
@@ -256,7 +254,7 @@ def _command(
 
 def _version() -> str:
     import specshim
-    from specshim._registry import installed_version
+    from specshim._versions import installed_version
 
     parts = [f"specshim {specshim.__version__}"]
     for name in ("speculators", "vllm"):
@@ -311,26 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="samples per generate() call (default %(default)s; their captured "
         "states are held in accelerator memory until the call returns)",
     )
-    extract.add_argument(
-        "--max-num-seqs",
-        type=int,
-        help="sequences per scheduler step (speculators: 32; default "
-        f"{STEP_DEFAULTS['max_num_seqs']}, or SPECSHIM_MAX_NUM_SEQS)",
-    )
-    extract.add_argument(
-        "--max-batched-tokens",
-        type=int,
-        help="tokens per scheduler step, at least max-model-len (speculators: "
-        f"8192; default {STEP_DEFAULTS['max_batched_tokens']}, or "
-        "SPECSHIM_MAX_BATCHED_TOKENS)",
-    )
-    extract.add_argument(
-        "--cache-memory-fraction",
-        type=float,
-        help="share of free memory x gpu-memory-utilization for the KV cache "
-        f"(speculators: 0.2; default {STEP_DEFAULTS['cache_memory_fraction']}, "
-        "or SPECSHIM_CACHE_MEMORY_FRACTION)",
-    )
+    for knob in KNOBS:  # the step budget: flag > environment > extract's default
+        extract.add_argument(
+            knob.flag,
+            type=knob.kind,
+            help=f"{knob.meaning} (speculators: {knob.speculators}; default "
+            f"{STEP_DEFAULTS[knob.name]}, or {knob.env})",
+        )
     extract.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     extract.add_argument(
         "--cpu-kv-space-gib",

@@ -34,7 +34,7 @@ def _gen(name):
 
 
 def _vllm_release() -> tuple[int, ...]:
-    from specshim._registry import installed_release
+    from specshim._versions import installed_release
 
     return installed_release("vllm")[:2]
 

@@ -145,7 +145,7 @@ def _cpu_has(flag: str) -> bool:
 
 
 def vllm_minor() -> tuple[int, ...]:
-    from specshim._registry import installed_release
+    from specshim._versions import installed_release
 
     return (installed_release("vllm") or (0, 0))[:2]
 

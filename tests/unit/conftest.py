@@ -11,30 +11,18 @@ from specshim import _registry
 @pytest.fixture
 def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """An empty registry for throwaway patches; the real one comes back after."""
-    _registry._load_patch_modules()
-    saved = (
-        dict(_registry._patches),
-        dict(_registry._records),
-        set(_registry._hooked_modules),
-    )
-    _registry.revert()
-    _registry._patches.clear()
-    _registry._records.clear()
+    real = _registry.REGISTRY
+    real.load()  # the patch files register into the real one, not this
+    real.revert()
     monkeypatch.delenv("SPECSHIM_DISABLE", raising=False)
     monkeypatch.delenv("SPECSHIM_STRICT", raising=False)
+    monkeypatch.setattr(_registry, "REGISTRY", _registry.Registry())
     try:
         yield
     finally:
-        monkeypatch.delenv("SPECSHIM_DISABLE", raising=False)
-        monkeypatch.delenv("SPECSHIM_STRICT", raising=False)
-        _registry.revert()
-        _registry._patches.clear()
-        _registry._records.clear()
-        _registry._patches.update(saved[0])
-        _registry._records.update(saved[1])
-        _registry._hooked_modules.clear()
-        _registry._hooked_modules.update(saved[2])
-        _registry.apply()
+        _registry.REGISTRY.revert()
+        monkeypatch.undo()
+        real.apply()
 
 
 @pytest.fixture

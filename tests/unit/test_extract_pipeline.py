@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from specshim import _extract, _feed, _status, _store
+from specshim._base import SpecShimError, UsageError
 from specshim._dataset import RecordStream
-from specshim._errors import SpecShimError, UsageError
 from specshim._extract import ExtractOptions, extract
 
 

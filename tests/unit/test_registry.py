@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from specshim import _registry
-from specshim._registry import Incompatible, NotNeeded, Patch, SpecShimError, State
+from specshim import _registry, _versions
+from specshim._base import SpecShimError, SpecShimWarning
+from specshim._types import Incompatible, NotNeeded, Patch, State
 
 SOURCE = """
 def greet(name):
@@ -41,7 +42,7 @@ def _patch(module: str, **overrides) -> Patch:
 
 
 def _state(patch_id: str) -> State:
-    return _registry._records[patch_id].state
+    return _registry.REGISTRY.record(patch_id).state
 
 
 def test_patch_attaches_when_the_module_is_imported(isolated_registry, fake_module):
@@ -81,7 +82,7 @@ def test_added_attribute_is_removed_on_revert(isolated_registry, fake_module):
     )
     _registry.apply()
     assert module.Thing().extra() == 2
-    assert _registry._records["shout"].detail == "added"
+    assert _registry.REGISTRY.record("shout").detail == "added"
     _registry.revert()
     assert not hasattr(module.Thing, "extra")
 
@@ -114,7 +115,7 @@ def test_disabled_by_environment(isolated_registry, fake_module, monkeypatch, di
 def test_unknown_disabled_id_warns(isolated_registry, fake_module, monkeypatch):
     monkeypatch.setenv("SPECSHIM_DISABLE", "no-such-patch")
     _patch(fake_module(SOURCE))
-    with pytest.warns(_registry.SpecShimWarning, match="no-such-patch"):
+    with pytest.warns(SpecShimWarning, match="no-such-patch"):
         _registry.apply()
 
 
@@ -149,7 +150,7 @@ def test_optional_incompatible_warns_unless_strict(
 
     module = importlib.import_module(fake_module(SOURCE))
     _patch(module.__name__, probe=probe, optional=True)
-    with pytest.warns(_registry.SpecShimWarning, match="cannot apply"):
+    with pytest.warns(SpecShimWarning, match="cannot apply"):
         _registry.apply()
     assert _state("shout") is State.INCOMPATIBLE
 
@@ -230,11 +231,11 @@ def test_duplicate_ids_fail(isolated_registry, fake_module):
 def test_version_advice_handles_local_pre_and_unparseable(
     monkeypatch, installed, advice
 ):
-    monkeypatch.setattr(_registry, "installed_version", lambda package: installed)
+    monkeypatch.setattr(_versions, "installed_version", lambda package: installed)
     patch = Patch(
         "x", "main", "m", "a", "vllm", ">=0.12", lambda o: None, lambda o: o, "", "", ""
     )
-    assert _registry.version_advice(patch) == advice
+    assert _versions.version_advice(patch) == advice
 
 
 def test_import_specshim_pulls_in_neither_torch_nor_vllm():
@@ -273,7 +274,7 @@ def test_plugin_entry_point_arms_a_fresh_process():
         " if e.name == 'specshim']\n"
         "ep.load()()\n"
         "from specshim import _registry\n"
-        "assert _registry._active and _registry._hooked_modules\n"
+        "assert _registry.REGISTRY.active and _registry.REGISTRY.hooked_modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -290,8 +291,8 @@ def test_plugin_entry_point_arms_a_fresh_process():
     ],
 )
 def test_release_status_by_minor_line(monkeypatch, installed, status):
-    monkeypatch.setattr(_registry, "installed_version", lambda package: installed)
-    assert _registry.vllm_release_status()[0] == status
+    monkeypatch.setattr(_versions, "installed_version", lambda package: installed)
+    assert _versions.vllm_release_status()[0] == status
 
 
 def test_an_untested_release_is_said_plainly_and_fails_check_only_when_strict(
@@ -299,7 +300,7 @@ def test_an_untested_release_is_said_plainly_and_fails_check_only_when_strict(
 ):
     from specshim import _report, compat
 
-    monkeypatch.setattr(_registry, "installed_version", lambda package: "0.24.0")
+    monkeypatch.setattr(_versions, "installed_version", lambda package: "0.24.0")
     monkeypatch.delenv("SPECSHIM_STRICT", raising=False)
     check = compat._release()
     assert check.ok and check.detail.startswith("UNTESTED. vLLM 0.24.0 is newer")
@@ -319,7 +320,7 @@ def test_a_stale_dist_info_alias_does_not_name_the_vllm_that_imports(tmp_path):
     (tmp_path / "vllm" / "_version.py").write_text("__version__ = version = '0.17.1'\n")
     alias = tmp_path / "vllm-0.0.0.dist-info"
     alias.mkdir()
-    code = "from specshim._registry import installed_version as v; print(v('vllm'))"
+    code = "from specshim._versions import installed_version as v; print(v('vllm'))"
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
 
     def seen_with_alias(version: str) -> str:
@@ -344,7 +345,7 @@ def test_on_an_untested_release_the_probe_decides_unless_strict(monkeypatch):
 
     for name in compat.TARGET_MODULES:
         importlib.import_module(name)
-    monkeypatch.setattr(_registry, "installed_version", lambda package: "0.24.0")
+    monkeypatch.setattr(_versions, "installed_version", lambda package: "0.24.0")
     monkeypatch.delenv("SPECSHIM_STRICT", raising=False)
     (gate,) = [c for c in compat._patches() if c.name == "patch eagle3-gate"]
     assert gate.ok and "this release is untested, so the probe decides" in gate.detail

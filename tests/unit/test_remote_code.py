@@ -8,7 +8,7 @@ import pytest
 
 import specshim
 from specshim import SpecShimError, _remote_code
-from specshim._errors import UsageError
+from specshim._base import UsageError
 
 
 @pytest.fixture(autouse=True)

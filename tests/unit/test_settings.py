@@ -12,7 +12,7 @@ import pytest
 
 import specshim
 from specshim import _hooks
-from specshim._registry import GENERATOR, SpecShimError
+from specshim._base import GENERATOR, SpecShimError
 
 
 @pytest.fixture
@@ -169,7 +169,7 @@ def test_extract_step_budget_precedence(generator_module, monkeypatch, tmp_path)
     options = ExtractOptions(model=tmp_path, data=tmp_path, out=tmp_path)
     state = step_settings(options)  # no flags, no environment: extract's defaults
     assert {k: v["value"] for k, v in state.items()} == STEP_DEFAULTS
-    assert {v["source"] for v in state.values()} == {"configure()"}
+    assert {v["source"] for v in state.values()} == {"extract default"}
     assert generator_module.MAX_NUM_SEQS == STEP_DEFAULTS["max_num_seqs"]
 
     # The environment beats extract's defaults; a flag beats the environment.
@@ -178,12 +178,20 @@ def test_extract_step_budget_precedence(generator_module, monkeypatch, tmp_path)
     specshim.configure(max_batched_tokens=12345)  # what import-time loading does
     options.max_num_seqs = 7
     state = step_settings(options)
-    assert state["max_num_seqs"]["value"] == 7
+    assert state["max_num_seqs"] == {
+        "value": 7,
+        "source": "flag --max-num-seqs",
+        "constant": "MAX_NUM_SEQS",
+        "env": "SPECSHIM_MAX_NUM_SEQS",
+    }
     assert state["max_batched_tokens"]["value"] == 12345
+    assert state["max_batched_tokens"]["source"] == "env SPECSHIM_MAX_BATCHED_TOKENS"
     assert (
         state["cache_memory_fraction"]["value"]
         == STEP_DEFAULTS["cache_memory_fraction"]
     )
+    assert generator_module.MAX_NUM_SEQS == 7
+    assert generator_module.MIN_MAX_BATCHED_TOKENS == 12345
 
     options.cache_memory_fraction = 3.0
     with pytest.raises(SpecShimError, match=r"extract: cache_memory_fraction must"):
@@ -239,3 +247,62 @@ def test_extract_leaves_the_library_settings_as_it_found_them(
     assert generator_module.MAX_NUM_SEQS == 12
     assert generator_module.MIN_MAX_BATCHED_TOKENS == 8192
     assert specshim.settings()["max_num_seqs"]["source"] == "configure()"
+
+
+def test_configured_is_scoped_and_checked_on_entry(generator_module):
+    specshim.configure(max_num_seqs=12)
+    with specshim.configured(max_num_seqs=64, cache_memory_fraction=0.5) as state:
+        assert generator_module.MAX_NUM_SEQS == 64
+        assert generator_module.CACHE_MEMORY_FRACTION == 0.5
+        assert state["max_num_seqs"]["source"] == "configured()"
+        with specshim.configured(max_num_seqs=2):  # nests
+            assert generator_module.MAX_NUM_SEQS == 2
+        assert generator_module.MAX_NUM_SEQS == 64
+    assert generator_module.MAX_NUM_SEQS == 12
+    assert generator_module.CACHE_MEMORY_FRACTION == 0.2
+    assert specshim.settings()["max_num_seqs"]["source"] == "configure()"
+    with pytest.raises(SpecShimError, match="unknown setting"):
+        specshim.configured(max_num_seq=1)
+    with pytest.raises(SpecShimError, match="max_num_seqs must be >= 1"):
+        with specshim.configured(max_num_seqs=0):
+            pass
+    assert generator_module.MAX_NUM_SEQS == 12
+    # An exception inside the block restores too.
+    with pytest.raises(KeyError):
+        with specshim.configured(max_batched_tokens=99999):
+            raise KeyError("boom")
+    assert generator_module.MIN_MAX_BATCHED_TOKENS == 8192
+
+
+def test_revert_undoes_everything_apply_and_configure_did():
+    """In a fresh process: patches, constants, consent, hooks, finder all undone."""
+    code = f"""
+import sys, specshim
+from specshim import _hooks, _registry
+armed = bool(_hooks._callbacks) and _hooks._finder in sys.meta_path
+import {GENERATOR} as g
+from vllm.config import SchedulerConfig
+upstream = {{n: getattr(g, n) for n in ("SchedulerConfig", "Request", "Scheduler",
+            "MultiprocExecutor", "CacheConfig", "ModelConfig")}}
+specshim.revert()
+specshim.apply()  # re-arming after a revert is the same as the first time
+assert g.SchedulerConfig is not SchedulerConfig
+specshim.configure(max_num_seqs=99, trust_remote_code=True)
+assert g.MAX_NUM_SEQS == 99
+specshim.revert()
+from specshim._settings import trust_remote_code
+assert g.MAX_NUM_SEQS == 32 and g.MIN_MAX_BATCHED_TOKENS == 8192
+assert not trust_remote_code()
+assert all(r.state.value == "pending" for r in specshim.records())
+assert g.SchedulerConfig is SchedulerConfig
+assert not _hooks._callbacks, _hooks._callbacks
+assert _hooks._finder not in sys.meta_path
+assert not _registry.REGISTRY.active and not _registry.REGISTRY.hooked_modules
+assert specshim.settings()["max_num_seqs"]["source"] == "speculators"
+specshim.apply()  # and arming reads the environment again
+assert g.SchedulerConfig is not SchedulerConfig and g.MAX_NUM_SEQS == 48
+print("ok", armed)
+"""
+    done = _fresh_python(code, SPECSHIM_MAX_NUM_SEQS="48")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["ok", "True"]

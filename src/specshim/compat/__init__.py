@@ -21,10 +21,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-TARGET_MODULES = (
-    "speculators.data_generation.vllm_hidden_states_generator",
-    "speculators.data_generation.custom_worker",
-)
+from specshim._base import HOOKED_MODULES as TARGET_MODULES
 
 
 @dataclass(frozen=True)
@@ -35,7 +32,7 @@ class Check:
 
 
 def _import_targets() -> list[Check]:
-    from specshim._registry import SpecShimError
+    from specshim._base import SpecShimError
 
     checks = []
     for name in TARGET_MODULES:
@@ -50,7 +47,7 @@ def _import_targets() -> list[Check]:
 
 def expected_state(patch, platform: str) -> str:  # noqa: ANN001
     """What the declared history says this patch's state should be here."""
-    from specshim._registry import version_advice
+    from specshim._versions import version_advice
 
     if version_advice(patch) != "in range":
         return "not needed"
@@ -66,14 +63,10 @@ def _current_platform() -> str:
 
 
 def _patches() -> list[Check]:
-    from specshim._registry import (
-        Incompatible,
-        NotNeeded,
-        State,
-        records,
-        strict,
-        vllm_release_status,
-    )
+    from specshim._registry import records
+    from specshim._settings import strict
+    from specshim._types import Incompatible, NotNeeded, State
+    from specshim._versions import vllm_release_status
 
     platform = _current_platform()
     untested = vllm_release_status()[0] == "untested"
@@ -149,7 +142,10 @@ def _speculators_unmodified() -> Check:
 
 def _release() -> Check:
     """Whether the installed vLLM is one the matrix proves."""
-    from specshim._registry import State, records, strict, vllm_release_status
+    from specshim._registry import records
+    from specshim._settings import strict
+    from specshim._types import State
+    from specshim._versions import vllm_release_status
 
     status, why = vllm_release_status()
     if status == "tested":
@@ -177,7 +173,7 @@ def run_checks() -> list[Check]:
 
 
 def format_checks(checks: list[Check]) -> str:
-    from specshim._registry import installed_versions_line
+    from specshim._versions import installed_versions_line
 
     width = max(len(check.name) for check in checks)
     lines = [f"specshim check ({installed_versions_line()})", ""]

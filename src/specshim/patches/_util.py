@@ -7,7 +7,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from specshim._registry import GENERATOR, WORKER, Incompatible
+from specshim._base import GENERATOR, WORKER
+from specshim._types import Incompatible
 
 __all__ = [
     "GENERATOR",

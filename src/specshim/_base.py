@@ -1,0 +1,41 @@
+"""What every part of specshim shares: its exceptions and the names it targets.
+
+A module that imports nothing, so that anything may import it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "GENERATOR",
+    "HOOKED_MODULES",
+    "PACKAGES",
+    "WORKER",
+    "SpecShimError",
+    "SpecShimWarning",
+    "UsageError",
+]
+
+
+class SpecShimError(RuntimeError):
+    """A patch could not be applied, or specshim refused unsafe input."""
+
+
+class UsageError(SpecShimError):
+    """The command was called wrongly: a flag, a path or the input data.
+
+    The command line exits with 2 for these and with 1 for other failures.
+    """
+
+
+class SpecShimWarning(UserWarning):
+    """An optional patch could not be applied."""
+
+
+# speculators 0.3.0's two modules that the patches target: the generator (main
+# process) and its worker extension (inside every vLLM worker).
+GENERATOR = "speculators.data_generation.vllm_hidden_states_generator"
+WORKER = "speculators.data_generation.custom_worker"
+HOOKED_MODULES = (GENERATOR, WORKER)
+
+# The packages whose versions decide what specshim does, as reports name them.
+PACKAGES = ("vllm", "speculators", "torch", "transformers")
