@@ -55,13 +55,19 @@ class Patch:
     versions: str
     probe: Probe
     build: Build
-    why: str
-    upstream: str
+    why: str  # the patch file's docstring
+    upstream: str  # what changed upstream, and in which release
     remove_when: str
     drift_rows: tuple[int, ...] = ()
+    upstream_pr: str = ""  # the PR(s) that made the change, or why there is none
     optional: bool = False
     replaces: bool = False
     platform: str = ""  # "cpu": needed only on that vLLM platform
+
+    @property
+    def summary(self) -> str:
+        """The first line of the patch file's docstring."""
+        return self.why.strip().split("\n", 1)[0]
 
     @property
     def target(self) -> str:

@@ -124,13 +124,12 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _table(args: argparse.Namespace) -> int:
-    from specshim._table import patch_table, render_into
+    from specshim._table import drift_table, patch_table, write_tables
 
-    if args.write:
-        path = Path(args.write)
-        path.write_text(render_into(path.read_text()))
-    else:
-        print(patch_table())
+    for name in args.write or ():
+        write_tables(Path(name))
+    if not args.write:
+        print(drift_table() if args.drift else patch_table())
     return 0
 
 
@@ -442,7 +441,14 @@ def build_parser() -> argparse.ArgumentParser:
         "specshim table --write README.md",
     )
     table.add_argument(
-        "--write", metavar="README", help="update the table in this file"
+        "--write",
+        metavar="FILE",
+        action="append",
+        help="update the generated tables in this file (README.md, docs/drift.md); "
+        "repeatable",
+    )
+    table.add_argument(
+        "--drift", action="store_true", help="print the drift table instead"
     )
     table.set_defaults(func=_table)
     return parser

@@ -1,11 +1,17 @@
-"""Every patch file explains itself: Why / Upstream change / Remove when."""
+"""Every patch file explains itself, once: Why / Upstream change / Upstream PR /
+Remove when, and the drift table made from them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 import specshim
 from specshim import patches
+from specshim._base import GENERATOR, WORKER, SpecShimError
+
+DRIFT_DOC = Path(__file__).resolve().parents[2] / "docs" / "drift.md"
 
 PATCH_FILES = [f"specshim.patches.main.{n}" for n in patches.MAIN] + [
     f"specshim.patches.worker.{n}" for n in patches.WORKER
@@ -13,12 +19,43 @@ PATCH_FILES = [f"specshim.patches.main.{n}" for n in patches.MAIN] + [
 
 
 @pytest.mark.parametrize("module_name", PATCH_FILES)
-def test_patch_file_has_the_three_headings(module_name):
+def test_patch_file_declares_its_patch_once(module_name):
+    """Docstring headings, folder and ``declare`` are the patch's only record."""
     import importlib
+    import re
 
-    doc = importlib.import_module(module_name).__doc__ or ""
-    for heading in ("Why:", "Upstream change:", "Remove when:"):
-        assert f"\n{heading}\n" in doc, f"{module_name} lacks {heading!r}"
+    from specshim.patches._util import headings
+
+    module = importlib.import_module(module_name)
+    text = headings(module.__doc__, module_name)
+    patch = module.PATCH
+    assert patch.why == module.__doc__
+    assert (patch.upstream, patch.remove_when, patch.upstream_pr) == (
+        text["Upstream change"],
+        text["Remove when"],
+        text["Upstream PR"],
+    )
+    assert patch.process == module_name.split(".")[-2]
+    assert patch.module == {"main": GENERATOR, "worker": WORKER}[patch.process]
+    # A PR is cited by its full reference, or its absence is said plainly.
+    cited = re.findall(r"[\w-]+/[\w-]+#\d+|(?<![/\w])#\d+", patch.upstream_pr)
+    assert all("/" in ref for ref in cited), cited
+    assert cited or patch.upstream_pr.startswith(("none", "not found")), patch.id
+
+
+def test_headings_are_required_in_order_and_filled():
+    from specshim.patches._util import headings
+
+    good = "x\n\nWhy:\n    a\nUpstream change:\n    b\nUpstream PR:\n    c\n"
+    assert headings(good + "Remove when:\n    d\n    e\n", "f")["Remove when"] == "d e"
+    for bad in (
+        good,  # no Remove when
+        good + "Remove when:\n",  # empty
+        good.replace("Upstream PR:\n    c\n", "") + "Upstream PR:\n    c\n",
+        good + "Remove when:\n    d\nExtra:\n    e\n",
+    ):
+        with pytest.raises(SpecShimError, match="needs the headings"):
+            headings(bad, "f")
 
 
 def test_every_patch_file_registers_one_patch():
@@ -26,15 +63,23 @@ def test_every_patch_file_registers_one_patch():
     assert len(ids) == len(PATCH_FILES) == len(set(ids))
 
 
-# Rows of VLLM_DRIFT.md no patch answers: 19-21 arrive after the newest tested
-# release (vLLM 0.24+: transformers 5, the warm-up, CPU MLA); 23 is vLLM's
-# native extraction, another way to get states, not a break.
-NOT_PATCHED = {19, 20, 21, 23}
+def test_every_drift_row_is_covered_once():
+    """Each row is answered by a patch, or said to need none (docs/drift.md)."""
+    rows = [row for p in specshim.registry() for row in p.drift_rows]
+    assert len(rows) == len(set(rows))
+    assert set(rows) | set(patches.UNPATCHED_DRIFT) == set(range(1, 24))
+    assert not set(rows) & set(patches.UNPATCHED_DRIFT)
 
 
-def test_every_drift_row_is_covered():
-    rows = {row for p in specshim.registry() for row in p.drift_rows}
-    assert rows == set(range(1, 24)) - NOT_PATCHED
+def test_drift_doc_is_generated_and_current():
+    from specshim._table import render_into
+
+    text = DRIFT_DOC.read_text()
+    assert render_into(text, "docs/drift.md") == text, (
+        "run: python -m specshim table --write docs/drift.md"
+    )
+    for patch in specshim.registry():
+        assert f"`{patch.id}`" in text
 
 
 def test_kimi_fixture_carries_the_deepseek_text_weights(tmp_path):

@@ -53,5 +53,6 @@ def test_compat_table_round_trips():
             "e2e": "21 passed",
         },
     ]
-    text = f"x\n{matrix.BEGIN}\n{matrix.compat_table(results)}\n{matrix.END}\ny"
+    text = f"x\n{matrix.TABLE.begin}\n\n{matrix.TABLE.end}\ny"
+    text = matrix.TABLE.render(text, matrix.compat_table(results))
     assert matrix._table_states(text) == {r["version"]: r["states"] for r in results}

@@ -36,6 +36,18 @@ WORKER = (
 )
 
 
+# Rows of the drift table (docs/drift.md) that no patch answers, and why.
+UNPATCHED_DRIFT = {
+    19: "vLLM 0.24+ requires transformers 5, under which speculators 0.3.0 "
+    "cannot be imported; newer than the newest tested release.",
+    20: "vLLM 0.27: ``Executor.initialize_from_config`` no longer warms the "
+    "workers up; newer than the newest tested release.",
+    21: "vLLM 0.28: a CPU MLA backend; newer than the newest tested release.",
+    23: "vLLM 0.17+: native hidden-state extraction (``extract_hidden_states``); "
+    "another way to get the states, not a break.",
+}
+
+
 def load_all() -> None:
     """Import every patch file; each registers its patch on import."""
     for name in MAIN:

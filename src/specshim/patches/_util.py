@@ -7,13 +7,17 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from specshim._base import GENERATOR, WORKER
-from specshim._types import Incompatible
+from specshim._base import GENERATOR, WORKER, SpecShimError
+from specshim._registry import register
+from specshim._types import Incompatible, Patch, Probe
 
 __all__ = [
     "GENERATOR",
+    "HEADINGS",
     "WORKER",
     "adapt_kwargs",
+    "declare",
+    "headings",
     "parameters",
     "require_callable",
     "required",
@@ -111,3 +115,81 @@ def require_callable(expected: str) -> Callable[[Any], None]:
             raise Incompatible(expected, repr(original))
 
     return probe
+
+
+# The headings every patch file's docstring has, in this order. The text under
+# them is the patch's record: the report, the README table and docs/drift.md
+# are made from it.
+HEADINGS = ("Why", "Upstream change", "Upstream PR", "Remove when")
+# Each folder of patches targets one of speculators' modules, in one process.
+_FOLDERS = {"main": GENERATOR, "worker": WORKER}
+
+
+def headings(doc: str | None, where: str) -> dict[str, str]:
+    """The text under each of ``HEADINGS`` in a docstring, as one line each.
+
+    A heading is a line of its own ending in ``:``; its text is the indented
+    lines below it. Missing, extra, empty or out-of-order headings are an error.
+    """
+    found: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in (doc or "").splitlines():
+        if line and not line[0].isspace() and line.endswith(":"):
+            current = found.setdefault(line[:-1], [])
+        elif current is not None and line.strip():
+            if not line[0].isspace():
+                raise SpecShimError(f"{where}: unindented text under a heading: {line}")
+            current.append(line.strip())
+    if tuple(found) != HEADINGS or not all(found.values()):
+        raise SpecShimError(
+            f"{where}: the docstring needs the headings {', '.join(HEADINGS)} "
+            f"(each with text, in that order); found {list(found)}"
+        )
+    return {name: " ".join(lines) for name, lines in found.items()}
+
+
+def declare(
+    file: str,
+    doc: str | None,
+    *,
+    id: str,  # noqa: A002 - the patch id
+    attribute: str,
+    versions: str,
+    probe: Probe,
+    build: Callable[[Any], Any],
+    package: str = "vllm",
+    drift_rows: tuple[int, ...] = (),
+    optional: bool = False,
+    replaces: bool = False,
+    platform: str = "",
+) -> Patch:
+    """Register the patch of the file ``file`` (its ``__name__``).
+
+    The process and target module follow from the folder (``main`` or
+    ``worker``); why, upstream change, upstream PR and remove-when come from
+    the docstring's headings. Everything else is said here, once.
+    """
+    folder = file.rsplit(".", 2)[-2]
+    if folder not in _FOLDERS:
+        raise SpecShimError(f"{file}: patch files live in {sorted(_FOLDERS)}")
+    text = headings(doc, file)
+    return register(
+        Patch(
+            id=id,
+            process=folder,
+            module=_FOLDERS[folder],
+            attribute=attribute,
+            package=package,
+            versions=versions,
+            probe=probe,
+            build=build,
+            why=doc or "",
+            upstream=text["Upstream change"],
+            remove_when=text["Remove when"],
+            drift_rows=drift_rows,
+            upstream_pr=text["Upstream PR"],
+            optional=optional,
+            replaces=replaces,
+            platform=platform,
+        )
+    )

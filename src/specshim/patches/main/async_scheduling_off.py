@@ -9,6 +9,8 @@ Why:
 Upstream change:
     vLLM 0.14: ``async_scheduling`` defaults to None and is resolved to True on
     supported platforms.
+Upstream PR:
+    vllm-project/vllm#27614 (async scheduling on by default).
 Remove when:
     speculators passes ``async_scheduling=False`` itself.
 """
@@ -17,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specshim._registry import NotNeeded, Patch, register
-from specshim.patches._util import GENERATOR, adapt_kwargs, parameters
+from specshim._types import NotNeeded
+from specshim.patches._util import adapt_kwargs, declare, parameters
 
 
 def _probe(original: Any) -> None:
@@ -32,19 +34,13 @@ def _off(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-PATCH = register(
-    Patch(
-        id="async-scheduling-off",
-        process="main",
-        module=GENERATOR,
-        attribute="SchedulerConfig",
-        package="vllm",
-        versions=">=0.14",
-        probe=_probe,
-        build=lambda original: adapt_kwargs(original, _off),
-        why=__doc__ or "",
-        upstream="vLLM 0.14: async_scheduling resolved to True automatically",
-        remove_when="speculators passes async_scheduling=False",
-        drift_rows=(10,),
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="async-scheduling-off",
+    attribute="SchedulerConfig",
+    versions=">=0.14",
+    probe=_probe,
+    build=lambda original: adapt_kwargs(original, _off),
+    drift_rows=(10,),
 )

@@ -11,6 +11,9 @@ Why:
     whole in the next step.
 Upstream change:
     vLLM 0.12: ``SchedulerConfig.enable_chunked_prefill`` defaults to True.
+Upstream PR:
+    vllm-project/vllm#28665 (SchedulerConfig's defaults move into the
+    class).
 Remove when:
     speculators passes ``enable_chunked_prefill=False`` itself, or its loop
     stops aborting partially prefilled requests.
@@ -20,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specshim._registry import Incompatible, NotNeeded, Patch, register
-from specshim.patches._util import GENERATOR, adapt_kwargs, parameters
+from specshim._types import Incompatible, NotNeeded
+from specshim.patches._util import adapt_kwargs, declare, parameters
 
 
 def _probe(original: Any) -> None:
@@ -40,19 +43,13 @@ def _off(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-PATCH = register(
-    Patch(
-        id="chunked-prefill-off",
-        process="main",
-        module=GENERATOR,
-        attribute="SchedulerConfig",
-        package="vllm",
-        versions=">=0.12",
-        probe=_probe,
-        build=lambda original: adapt_kwargs(original, _off),
-        why=__doc__ or "",
-        upstream="vLLM 0.12: enable_chunked_prefill defaults to True",
-        remove_when="speculators disables chunked prefill itself",
-        drift_rows=(2,),
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="chunked-prefill-off",
+    attribute="SchedulerConfig",
+    versions=">=0.12",
+    probe=_probe,
+    build=lambda original: adapt_kwargs(original, _off),
+    drift_rows=(2,),
 )

@@ -16,6 +16,8 @@ Upstream change:
     Not drift: speculators assumes a CUDA device. vLLM 0.20 moved the
     variable from ``CpuPlatform.get_device_total_memory`` to
     ``cache_config.kv_cache_memory_bytes``, which speculators never reads.
+Upstream PR:
+    not found for the 0.20 move.
 Remove when:
     speculators sizes the KV cache through vLLM's platform API.
 """
@@ -26,8 +28,8 @@ from typing import Any
 
 import wrapt
 
-from specshim._registry import NotNeeded, Patch, register
-from specshim.patches._util import GENERATOR
+from specshim._types import NotNeeded
+from specshim.patches._util import declare
 
 
 def _cpu_kv_cache_space() -> int:
@@ -67,20 +69,14 @@ def _probe(original: Any) -> None:
         raise NotNeeded(f"platform is {current_platform.device_type!r}, not cpu")
 
 
-PATCH = register(
-    Patch(
-        id="cpu-kv-cache-space",
-        process="main",
-        module=GENERATOR,
-        attribute="torch",
-        package="vllm",
-        versions=">=0.11",
-        platform="cpu",
-        probe=_probe,
-        build=_TorchOnCpu,
-        why=__doc__ or "",
-        upstream="none: torch.cuda.mem_get_info(); 0.20: the variable moved",
-        remove_when="speculators sizes the KV cache through vLLM's platform",
-        drift_rows=(9,),
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="cpu-kv-cache-space",
+    attribute="torch",
+    versions=">=0.11",
+    probe=_probe,
+    build=_TorchOnCpu,
+    drift_rows=(9,),
+    platform="cpu",
 )

@@ -10,6 +10,8 @@ Why:
     environment), so it is set as the generator builds its config.
 Upstream change:
     Not drift: the CPU backend never had MLA. Needed for every CPU run.
+Upstream PR:
+    none: not an upstream change.
 Remove when:
     vLLM's CPU platform supports MLA.
 """
@@ -20,8 +22,8 @@ import logging
 import os
 from typing import Any
 
-from specshim._registry import NotNeeded, Patch, register
-from specshim.patches._util import GENERATOR, wrap_call
+from specshim._types import NotNeeded
+from specshim.patches._util import declare, wrap_call
 
 logger = logging.getLogger(__name__)
 
@@ -39,19 +41,13 @@ def _before(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         logger.info("specshim: set VLLM_MLA_DISABLE=1 (no MLA kernel on CPU)")
 
 
-PATCH = register(
-    Patch(
-        id="cpu-mla-disable",
-        process="main",
-        module=GENERATOR,
-        attribute="VllmHiddenStatesGenerator._create_vllm_config",
-        package="vllm",
-        versions=">=0.11",
-        platform="cpu",
-        probe=_probe,
-        build=lambda original: wrap_call(original, before=_before),
-        why=__doc__ or "",
-        upstream="none: vLLM's CPU backend has no MLA kernel",
-        remove_when="vLLM's CPU platform supports MLA",
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="cpu-mla-disable",
+    attribute="VllmHiddenStatesGenerator._create_vllm_config",
+    versions=">=0.11",
+    probe=_probe,
+    build=lambda original: wrap_call(original, before=_before),
+    platform="cpu",
 )

@@ -11,6 +11,9 @@ Why:
     engine, which calls the executor directly, is untouched.
 Upstream change:
     vLLM 0.12: ``Executor.sample_tokens``; ``execute_model`` may return None.
+Upstream PR:
+    vllm-project/vllm#26866 (async scheduling + structured outputs:
+    ``sample_tokens``).
 Remove when:
     speculators calls ``sample_tokens`` itself.
 """
@@ -21,8 +24,8 @@ from typing import Any
 
 import wrapt
 
-from specshim._registry import NotNeeded, Patch, register
-from specshim.patches._util import GENERATOR, upstream, wrap_result
+from specshim._types import NotNeeded
+from specshim.patches._util import declare, upstream, wrap_result
 
 
 class _ExecuteThenSample(wrapt.ObjectProxy):  # type: ignore[misc]
@@ -38,19 +41,13 @@ def _probe(original: Any) -> None:
         raise NotNeeded("the executor has no sample_tokens step")
 
 
-PATCH = register(
-    Patch(
-        id="execute-then-sample",
-        process="main",
-        module=GENERATOR,
-        attribute="MultiprocExecutor",
-        package="vllm",
-        versions=">=0.12",
-        probe=_probe,
-        build=lambda original: wrap_result(original, _ExecuteThenSample),
-        why=__doc__ or "",
-        upstream="vLLM 0.12: execute_model/sample_tokens split",
-        remove_when="speculators calls sample_tokens",
-        drift_rows=(7,),
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="execute-then-sample",
+    attribute="MultiprocExecutor",
+    versions=">=0.12",
+    probe=_probe,
+    build=lambda original: wrap_result(original, _ExecuteThenSample),
+    drift_rows=(7,),
 )

@@ -28,6 +28,8 @@ Upstream change:
     from 0.11 (requests over the token budget scheduled out of input order),
     of 0.12+ (chunked prefill, prefix caching) and of any future scheduling
     change.
+Upstream PR:
+    none: not an upstream change.
 Remove when:
     speculators validates its own output alignment.
 """
@@ -38,8 +40,9 @@ import logging
 import re
 from typing import Any
 
-from specshim._registry import NotNeeded, Patch, SpecShimError, register
-from specshim.patches._util import GENERATOR
+from specshim._base import SpecShimError
+from specshim._types import NotNeeded
+from specshim.patches._util import declare
 from specshim.patches.main import request_args
 
 logger = logging.getLogger(__name__)
@@ -295,18 +298,12 @@ def _probe(original: Any) -> None:
         raise NotNeeded("no generate()")
 
 
-PATCH = register(
-    Patch(
-        id="generate-guard",
-        process="main",
-        module=GENERATOR,
-        attribute="VllmHiddenStatesGenerator.generate",
-        package="vllm",
-        versions=">=0.11",
-        probe=_probe,
-        build=_build,
-        why=__doc__ or "",
-        upstream="none: guards speculators' positional slicing",
-        remove_when="speculators validates its output alignment",
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="generate-guard",
+    attribute="VllmHiddenStatesGenerator.generate",
+    versions=">=0.11",
+    probe=_probe,
+    build=_build,
 )

@@ -9,6 +9,8 @@ Why:
 Upstream change:
     vLLM 0.12: ``kv_cache_specs`` removed from
     ``vllm.v1.core.kv_cache_utils.get_kv_cache_config_from_groups``.
+Upstream PR:
+    not found (vllm-project/speculators#225 names the change but no PR).
 Remove when:
     speculators stops passing ``kv_cache_specs``.
 """
@@ -17,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specshim._registry import Incompatible, NotNeeded, Patch, register
-from specshim.patches._util import GENERATOR, adapt_kwargs, parameters, signature_text
+from specshim._types import Incompatible, NotNeeded
+from specshim.patches._util import adapt_kwargs, declare, parameters, signature_text
 
 _EXPECTED = ("vllm_config", "kv_cache_groups", "available_memory")
 
@@ -40,19 +42,13 @@ def _drop(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-PATCH = register(
-    Patch(
-        id="kv-cache-config-args",
-        process="main",
-        module=GENERATOR,
-        attribute="get_kv_cache_config_from_groups",
-        package="vllm",
-        versions=">=0.12",
-        probe=_probe,
-        build=lambda original: adapt_kwargs(original, _drop),
-        why=__doc__ or "",
-        upstream="vLLM 0.12: kv_cache_specs parameter removed",
-        remove_when="speculators stops passing kv_cache_specs",
-        drift_rows=(4,),
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="kv-cache-config-args",
+    attribute="get_kv_cache_config_from_groups",
+    versions=">=0.12",
+    probe=_probe,
+    build=lambda original: adapt_kwargs(original, _drop),
+    drift_rows=(4,),
 )

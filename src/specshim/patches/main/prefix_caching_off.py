@@ -10,6 +10,9 @@ Why:
     failure into the silent one.) Extraction must compute every token.
 Upstream change:
     vLLM 0.12: ``CacheConfig.enable_prefix_caching`` defaults to True.
+Upstream PR:
+    vllm-project/vllm#29186 (``enable_prefix_caching`` is no longer None by
+    default).
 Remove when:
     speculators passes ``enable_prefix_caching=False`` itself.
 """
@@ -18,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specshim._registry import Incompatible, NotNeeded, Patch, register
-from specshim.patches._util import GENERATOR, adapt_kwargs, parameters
+from specshim._types import Incompatible, NotNeeded
+from specshim.patches._util import adapt_kwargs, declare, parameters
 
 
 def _probe(original: Any) -> None:
@@ -38,19 +41,13 @@ def _off(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-PATCH = register(
-    Patch(
-        id="prefix-caching-off",
-        process="main",
-        module=GENERATOR,
-        attribute="CacheConfig",
-        package="vllm",
-        versions=">=0.12",
-        probe=_probe,
-        build=lambda original: adapt_kwargs(original, _off),
-        why=__doc__ or "",
-        upstream="vLLM 0.12: enable_prefix_caching defaults to True",
-        remove_when="speculators disables prefix caching itself",
-        drift_rows=(3,),
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="prefix-caching-off",
+    attribute="CacheConfig",
+    versions=">=0.12",
+    probe=_probe,
+    build=lambda original: adapt_kwargs(original, _off),
+    drift_rows=(3,),
 )

@@ -16,6 +16,8 @@ Why:
     fetches for it.
 Upstream change:
     None: speculators 0.3.0 hard-codes ``trust_remote_code=True``.
+Upstream PR:
+    none: not an upstream change.
 Remove when:
     speculators takes ``trust_remote_code`` from its caller.
 """
@@ -26,9 +28,9 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from specshim._registry import Incompatible, Patch, register
 from specshim._remote_code import require_consent
-from specshim.patches._util import GENERATOR, parameters
+from specshim._types import Incompatible
+from specshim.patches._util import declare, parameters
 
 
 def _local(model_path: str) -> Path | str:
@@ -66,18 +68,12 @@ def _probe(original: Any) -> None:
         )
 
 
-PATCH = register(
-    Patch(
-        id="remote-code-gate",
-        process="main",
-        module=GENERATOR,
-        attribute="VllmHiddenStatesGenerator.__init__",
-        package="vllm",
-        versions=">=0.11",
-        probe=_probe,
-        build=_build,
-        why=__doc__ or "",
-        upstream="none: speculators hard-codes trust_remote_code=True",
-        remove_when="speculators takes trust_remote_code from its caller",
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="remote-code-gate",
+    attribute="VllmHiddenStatesGenerator.__init__",
+    versions=">=0.11",
+    probe=_probe,
+    build=_build,
 )

@@ -13,6 +13,8 @@ Why:
     such a checkpoint without it. Everything else is the real class.
 Upstream change:
     None: speculators 0.3.0 never passes ``trust_remote_code`` to its tokenizer.
+Upstream PR:
+    none: not an upstream change.
 Remove when:
     speculators takes ``trust_remote_code`` from its caller.
 """
@@ -23,9 +25,9 @@ from typing import Any
 
 import wrapt
 
-from specshim._registry import Incompatible, Patch, register
 from specshim._settings import trust_remote_code
-from specshim.patches._util import GENERATOR
+from specshim._types import Incompatible
+from specshim.patches._util import declare
 
 
 class _ConsentingTokenizer(wrapt.ObjectProxy):  # type: ignore[misc]
@@ -39,18 +41,12 @@ def _probe(original: Any) -> None:
         raise Incompatible("AutoTokenizer.from_pretrained", repr(original))
 
 
-PATCH = register(
-    Patch(
-        id="remote-code-tokenizer",
-        process="main",
-        module=GENERATOR,
-        attribute="AutoTokenizer",
-        package="vllm",
-        versions=">=0.11",
-        probe=_probe,
-        build=_ConsentingTokenizer,
-        why=__doc__ or "",
-        upstream="none: speculators loads its tokenizer without trust_remote_code",
-        remove_when="speculators takes trust_remote_code from its caller",
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="remote-code-tokenizer",
+    attribute="AutoTokenizer",
+    versions=">=0.11",
+    probe=_probe,
+    build=_ConsentingTokenizer,
 )

@@ -18,6 +18,9 @@ Upstream change:
     vLLM 0.12: ``Request(..., block_hasher=)``; 0.17.0 (a 0.16 nightly
     before it): no ``eos_token_id`` (the eos id moved into the sampling
     params).
+Upstream PR:
+    vllm-project/vllm#34435 (``Request.eos_token_id`` moves to
+    ``SamplingParams``); the 0.12 ``block_hasher`` change: not found.
 Remove when:
     speculators builds requests the way EngineCore does
     (``Request.from_engine_core_request`` with the engine's block hasher).
@@ -28,8 +31,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from specshim._registry import NotNeeded, Patch, register
-from specshim.patches._util import GENERATOR, adapt_kwargs, parameters
+from specshim._types import NotNeeded
+from specshim.patches._util import adapt_kwargs, declare, parameters
 
 # The generator sets this while it builds a scheduler with prefix caching on;
 # see ``block_hasher_for``. One generator per process is the norm, but keep it
@@ -83,19 +86,13 @@ def _adapt(params: dict[str, Any]) -> Any:
     return adapt
 
 
-PATCH = register(
-    Patch(
-        id="request-args",
-        process="main",
-        module=GENERATOR,
-        attribute="Request",
-        package="vllm",
-        versions=">=0.12",
-        probe=_probe,
-        build=lambda original: adapt_kwargs(original, _adapt(parameters(original))),
-        why=__doc__ or "",
-        upstream="vLLM 0.12: block_hasher; 0.17.0: no eos_token_id",
-        remove_when="speculators builds requests like EngineCore",
-        drift_rows=(6, 15),
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="request-args",
+    attribute="Request",
+    versions=">=0.12",
+    probe=_probe,
+    build=lambda original: adapt_kwargs(original, _adapt(parameters(original))),
+    drift_rows=(6, 15),
 )

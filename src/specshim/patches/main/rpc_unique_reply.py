@@ -13,6 +13,9 @@ Why:
 Upstream change:
     vLLM 0.12: ``MultiprocExecutor.collective_rpc`` "Returns single result if
     unique_reply_rank ... is provided, otherwise list."
+Upstream PR:
+    not found (speculators' own 0.12 bump, vllm-project/speculators#225,
+    names the change but no PR).
 Remove when:
     speculators drops the ``[0]``.
 """
@@ -24,8 +27,8 @@ from typing import Any
 
 import wrapt
 
-from specshim._registry import Incompatible, NotNeeded, Patch, register
-from specshim.patches._util import GENERATOR, upstream, wrap_result
+from specshim._types import Incompatible, NotNeeded
+from specshim.patches._util import declare, upstream, wrap_result
 
 
 class _ListReply(wrapt.ObjectProxy):  # type: ignore[misc]
@@ -48,19 +51,13 @@ def _probe(original: Any) -> None:
         raise NotNeeded("collective_rpc returns a list of replies")
 
 
-PATCH = register(
-    Patch(
-        id="rpc-unique-reply",
-        process="main",
-        module=GENERATOR,
-        attribute="MultiprocExecutor",
-        package="vllm",
-        versions=">=0.12",
-        probe=_probe,
-        build=lambda original: wrap_result(original, _ListReply),
-        why=__doc__ or "",
-        upstream="vLLM 0.12: collective_rpc returns a bare unique reply",
-        remove_when="speculators drops the [0]",
-        drift_rows=(8,),
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="rpc-unique-reply",
+    attribute="MultiprocExecutor",
+    versions=">=0.12",
+    probe=_probe,
+    build=lambda original: wrap_result(original, _ListReply),
+    drift_rows=(8,),
 )

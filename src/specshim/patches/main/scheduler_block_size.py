@@ -17,6 +17,9 @@ Upstream change:
     vLLM 0.12: ``vllm.v1.core.sched.scheduler.Scheduler(..., block_size)``;
     0.20: ``Scheduler(..., hash_block_size=None)`` and
     ``kv_cache_utils.resolve_kv_cache_block_sizes``.
+Upstream PR:
+    not found (vllm-project/speculators#225 names the 0.12 change but no
+    PR).
 Remove when:
     speculators passes ``block_size`` itself.
 """
@@ -25,8 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specshim._registry import NotNeeded, Patch, register
-from specshim.patches._util import GENERATOR, adapt_kwargs, parameters
+from specshim._types import NotNeeded
+from specshim.patches._util import adapt_kwargs, declare, parameters
 
 
 def scheduler_block_size(vllm_config: Any) -> int:
@@ -67,19 +70,13 @@ def _adapt(params: dict[str, Any]) -> Any:
     return fill
 
 
-PATCH = register(
-    Patch(
-        id="scheduler-block-size",
-        process="main",
-        module=GENERATOR,
-        attribute="Scheduler",
-        package="vllm",
-        versions=">=0.12",
-        probe=_probe,
-        build=lambda original: adapt_kwargs(original, _adapt(parameters(original))),
-        why=__doc__ or "",
-        upstream="vLLM 0.12: Scheduler(block_size); 0.20: hash_block_size",
-        remove_when="speculators passes block_size",
-        drift_rows=(5, 17),
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="scheduler-block-size",
+    attribute="Scheduler",
+    versions=">=0.12",
+    probe=_probe,
+    build=lambda original: adapt_kwargs(original, _adapt(parameters(original))),
+    drift_rows=(5, 17),
 )

@@ -9,6 +9,10 @@ Why:
 Upstream change:
     vLLM 0.12 (``SchedulerConfig`` InitVars; ``SchedulerConfig.default_factory``
     fills them for internal callers).
+Upstream PR:
+    vllm-project/vllm#28733 (``max_model_len`` init-only) and
+    vllm-project/vllm#29859 (InitVars lose their defaults; a factory fills
+    them).
 Remove when:
     ``SchedulerConfig`` has no required ``is_encoder_decoder`` parameter, or
     speculators passes it (the probe then reports "not needed").
@@ -18,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specshim._registry import NotNeeded, Patch, register
-from specshim.patches._util import GENERATOR, adapt_kwargs, parameters, required
+from specshim._types import NotNeeded
+from specshim.patches._util import adapt_kwargs, declare, parameters, required
 
 _FILLED = ("is_encoder_decoder", "max_model_len")
 
@@ -36,19 +40,13 @@ def _fill(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-PATCH = register(
-    Patch(
-        id="scheduler-config-initvars",
-        process="main",
-        module=GENERATOR,
-        attribute="SchedulerConfig",
-        package="vllm",
-        versions=">=0.12",
-        probe=_probe,
-        build=lambda original: adapt_kwargs(original, _fill),
-        why=__doc__ or "",
-        upstream="vLLM 0.12: SchedulerConfig InitVars",
-        remove_when="SchedulerConfig has no required is_encoder_decoder",
-        drift_rows=(1,),
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="scheduler-config-initvars",
+    attribute="SchedulerConfig",
+    versions=">=0.12",
+    probe=_probe,
+    build=lambda original: adapt_kwargs(original, _fill),
+    drift_rows=(1,),
 )

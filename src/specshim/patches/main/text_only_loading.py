@@ -19,6 +19,9 @@ Upstream change:
     Not drift: a saving since vLLM 0.15, which skips building encoder towers
     whose modalities are all limited to 0 (``SupportsMultiModal._mark_tower_model``)
     and added Kimi-K2.5. vLLM 0.17: ``ModelConfig(language_model_only=)``.
+Upstream PR:
+    vllm-project/vllm#32605 (encoder- and LM-only context managers);
+    ``language_model_only``: not found.
 Remove when:
     speculators builds its ``ModelConfig`` text-only itself.
 """
@@ -29,8 +32,8 @@ import functools
 import logging
 from typing import Any
 
-from specshim._registry import Incompatible, NotNeeded, Patch, register
-from specshim.patches._util import GENERATOR, parameters
+from specshim._types import Incompatible, NotNeeded
+from specshim.patches._util import declare, parameters
 
 logger = logging.getLogger(__name__)
 
@@ -92,19 +95,13 @@ def _build(original: Any) -> Any:
     return model_config
 
 
-PATCH = register(
-    Patch(
-        id="text-only-loading",
-        process="main",
-        module=GENERATOR,
-        attribute="ModelConfig",
-        package="vllm",
-        versions=">=0.15",
-        probe=_probe,
-        build=_build,
-        why=__doc__ or "",
-        upstream="none: towers skipped at limit 0; 0.17: language_model_only",
-        remove_when="speculators loads multimodal targets text-only",
-        drift_rows=(22,),
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="text-only-loading",
+    attribute="ModelConfig",
+    versions=">=0.15",
+    probe=_probe,
+    build=_build,
+    drift_rows=(22,),
 )

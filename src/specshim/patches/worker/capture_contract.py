@@ -20,6 +20,8 @@ Why:
 Upstream change:
     None by itself: vLLM 0.12 and later default compilation, CUDA graphs and
     async scheduling on for GPU engines; ``enforce_eager`` turns them off.
+Upstream PR:
+    none: not an upstream change.
 Remove when:
     speculators asserts its own capture preconditions.
 """
@@ -29,8 +31,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from specshim._registry import Patch, register
-from specshim.patches._util import WORKER, require_callable
+from specshim.patches._util import declare, require_callable
 
 # (term, why it matters, how to restore it); checked by ``violations``.
 CONTRACT: tuple[tuple[str, str, str], ...] = (
@@ -184,20 +185,14 @@ def _build(original: Any) -> Any:
     return setup_hidden_states_capture
 
 
-PATCH = register(
-    Patch(
-        id="capture-contract",
-        process="worker",
-        module=WORKER,
-        attribute="HiddenStatesWorkerExtension._setup_hidden_states_capture",
-        package="vllm",
-        versions=">=0.11",
-        probe=require_callable(
-            "HiddenStatesWorkerExtension._setup_hidden_states_capture(layer_ids)"
-        ),
-        build=_build,
-        why=__doc__ or "",
-        upstream="none: the capture depends on eager, unpadded, single-rank steps",
-        remove_when="speculators asserts its own capture preconditions",
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="capture-contract",
+    attribute="HiddenStatesWorkerExtension._setup_hidden_states_capture",
+    versions=">=0.11",
+    probe=require_callable(
+        "HiddenStatesWorkerExtension._setup_hidden_states_capture(layer_ids)"
+    ),
+    build=_build,
 )

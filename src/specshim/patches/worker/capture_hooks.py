@@ -31,6 +31,9 @@ Upstream change:
     vLLM 0.12 (``embed_input_ids``, DeepSeek layer signature), 0.15 (Llama
     ``extra_layer_kwargs``, Kimi-K2.5 wrapper), 0.16 nightly (required
     ``llama_4_scaling``).
+Upstream PR:
+    vllm-project/vllm#27583 (``get_input_embeddings`` renamed
+    ``embed_input_ids``); the layer-signature changes: not found.
 Remove when:
     speculators captures through hooks or vLLM's own aux-hidden-state API.
 """
@@ -40,8 +43,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from specshim._registry import Incompatible, NotNeeded, Patch, register
-from specshim.patches._util import WORKER
+from specshim._types import Incompatible, NotNeeded
+from specshim.patches._util import WORKER, declare
 from specshim.patches.worker._stack import find_decoder_stack
 
 logger = logging.getLogger(__name__)
@@ -136,19 +139,13 @@ def _probe(original: Any) -> None:
         raise NotNeeded("vLLM models still have get_input_embeddings (pre-0.12)")
 
 
-PATCH = register(
-    Patch(
-        id="capture-hooks",
-        process="worker",
-        module=WORKER,
-        attribute="HiddenStatesWorkerExtension._setup_hidden_states_capture",
-        package="vllm",
-        versions=">=0.12",
-        probe=_probe,
-        build=lambda original: setup_hidden_states_capture,
-        why=__doc__ or "",
-        upstream="vLLM 0.12/0.15/0.16-nightly: stack location, embed, layer call",
-        remove_when="speculators captures through hooks",
-        drift_rows=(12, 13, 14),
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="capture-hooks",
+    attribute="HiddenStatesWorkerExtension._setup_hidden_states_capture",
+    versions=">=0.12",
+    probe=_probe,
+    build=lambda original: setup_hidden_states_capture,
+    drift_rows=(12, 13, 14),
 )

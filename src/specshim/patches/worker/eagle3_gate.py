@@ -14,6 +14,9 @@ Upstream change:
     DeepseekV2/V3 and KimiK25ForConditionalGeneration did not implement
     SupportsEagle3 in vLLM 0.11 - 0.17; from 0.18.0 they do, and vLLM's own
     check accepts them.
+Upstream PR:
+    not found (the DeepSeek/Kimi EAGLE-3 PRs found, vllm-project/vllm#32079
+    and vllm-project/vllm#31257, were closed unmerged).
 Remove when:
     vLLM 0.18 is the oldest release supported (the gate is not needed from
     there on), or speculators gates on structure.
@@ -23,8 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specshim._registry import Incompatible, NotNeeded, Patch, register
-from specshim.patches._util import WORKER
+from specshim._types import Incompatible, NotNeeded
+from specshim.patches._util import declare
 from specshim.patches.worker._stack import find_decoder_stack
 
 
@@ -46,19 +49,13 @@ def _build(original: Any) -> Any:
     return supports_eagle3
 
 
-PATCH = register(
-    Patch(
-        id="eagle3-gate",
-        process="worker",
-        module=WORKER,
-        attribute="supports_eagle3",
-        package="vllm",
-        versions=">=0.11,<0.18",
-        probe=_probe,
-        build=_build,
-        why=__doc__ or "",
-        upstream="vLLM 0.18.0: DeepSeek/Kimi declare SupportsEagle3",
-        remove_when="vLLM's DeepSeek models implement SupportsEagle3",
-        drift_rows=(11, 16),
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="eagle3-gate",
+    attribute="supports_eagle3",
+    versions=">=0.11,<0.18",
+    probe=_probe,
+    build=_build,
+    drift_rows=(11, 16),
 )

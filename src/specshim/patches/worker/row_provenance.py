@@ -27,6 +27,9 @@ Upstream change:
     budget; vLLM 0.22 adds the V2 model runner
     (``vllm/v1/worker/gpu/model_runner.py``), which sorts requests by token
     count before the forward.
+Upstream PR:
+    none: no single change (the V2 runner's ordering is shown by
+    vllm-project/vllm#47381).
 Remove when:
     speculators slices captured rows by request and checks them itself.
 """
@@ -37,8 +40,7 @@ import functools
 import inspect
 from typing import Any
 
-from specshim._registry import Patch, register
-from specshim.patches._util import WORKER, require_callable
+from specshim.patches._util import declare, require_callable
 from specshim.patches.worker._stack import find_decoder_stack
 
 
@@ -210,21 +212,15 @@ def _build(original: Any) -> Any:
     return setup_hidden_states_capture
 
 
-PATCH = register(
-    Patch(
-        id="row-provenance",
-        process="worker",
-        module=WORKER,
-        attribute="HiddenStatesWorkerExtension._setup_hidden_states_capture",
-        package="vllm",
-        versions=">=0.11",
-        probe=require_callable(
-            "HiddenStatesWorkerExtension._setup_hidden_states_capture(layer_ids)"
-        ),
-        build=_build,
-        why=__doc__ or "",
-        upstream="none: the v1 scheduler and the V2 runner reorder a batch",
-        remove_when="speculators slices and checks rows by request",
-        drift_rows=(18,),
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="row-provenance",
+    attribute="HiddenStatesWorkerExtension._setup_hidden_states_capture",
+    versions=">=0.11",
+    probe=require_callable(
+        "HiddenStatesWorkerExtension._setup_hidden_states_capture(layer_ids)"
+    ),
+    build=_build,
+    drift_rows=(18,),
 )

@@ -8,6 +8,8 @@ Why:
     ``generate()`` and prove every returned row from it.
 Upstream change:
     None: part of specshim's alignment guard.
+Upstream PR:
+    none: not an upstream change.
 Remove when:
     ``generate-guard`` is removed.
 """
@@ -16,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specshim._registry import Incompatible, Patch, register
-from specshim.patches._util import WORKER
+from specshim._types import Incompatible
+from specshim.patches._util import declare
 
 
 def row_provenance(self: Any) -> dict[str, Any] | None:
@@ -33,19 +35,13 @@ def _probe(original: Any) -> None:
         raise Incompatible("no attribute _specshim_row_provenance", repr(original))
 
 
-PATCH = register(
-    Patch(
-        id="row-provenance-rpc",
-        process="worker",
-        module=WORKER,
-        attribute="HiddenStatesWorkerExtension._specshim_row_provenance",
-        package="vllm",
-        versions=">=0.11",
-        probe=_probe,
-        build=lambda original: row_provenance,
-        why=__doc__ or "",
-        upstream="none: part of the alignment guard",
-        remove_when="generate-guard is removed",
-        replaces=True,
-    )
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="row-provenance-rpc",
+    attribute="HiddenStatesWorkerExtension._specshim_row_provenance",
+    versions=">=0.11",
+    probe=_probe,
+    build=lambda original: row_provenance,
+    replaces=True,
 )
