@@ -38,11 +38,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import LAYERS, RUN_ENV, ensure_models, log  # noqa: E402
+from execute import ensure_models, log  # noqa: E402
+from plan import CACHE, HERE, LAYERS, RUN_ENV  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-CACHE = ROOT / "benchmarks" / ".cache"
+RESULTS = HERE / "results"
 BATCH = 32
 MAX_MODEL_LEN = 2048
 STOP_AFTER = 3  # generate() calls in the streaming measurement
@@ -115,7 +114,7 @@ def child_bare(model: str, data: str) -> None:
     with open(data) as handle:
         seqs = [json.loads(line)["input_ids"] for line in handle]
     generator = VllmHiddenStatesGenerator(
-        model, layer_ids=LAYERS, max_model_len=MAX_MODEL_LEN
+        model, layer_ids=list(LAYERS), max_model_len=MAX_MODEL_LEN
     )
     started = time.monotonic()
     for start in range(0, len(seqs), BATCH):
@@ -161,7 +160,7 @@ def child_stream(model: str, data: str, out: str) -> None:
         model=Path(model),
         data=Path(data),
         out=Path(out),
-        layers=LAYERS,
+        layers=list(LAYERS),
         max_model_len=MAX_MODEL_LEN,
         batch_size=BATCH,
         progress=False,
@@ -248,28 +247,38 @@ def main() -> int:
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "extract.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = markdown(results)
+    (RESULTS / "extract.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """``extract.md`` (without its final line break), from ``extract.json``."""
     lines = [
         "| measurement | value |",
         "|---|---|",
-        f"| extract, median of {len(extract_runs)} runs | {extract_rate:,.0f} tok/s |",
-        f"| bare generate(), median of {len(bare_runs)} | {bare_rate:,.0f} tok/s |",
-        f"| extract / bare | **{ratio:.3f}x** |",
+        f"| extract, median of {len(results['extract_runs'])} runs | "
+        f"{results['extract_tokens_per_second']:,.0f} tok/s |",
+        f"| bare generate(), median of {len(results['bare_runs'])} | "
+        f"{results['bare_tokens_per_second']:,.0f} tok/s |",
+        f"| extract / bare | **{results['ratio']:.3f}x** |",
     ]
     for name in ("small", "large"):
-        row = streaming[name]
+        row = results["streaming"][name]
         lines.append(
             f"| {row['lines']:,} lines ({row['dataset_mib']:,.0f} MiB): first "
             f"generate() after | {row['first_generate_seconds']:.1f} s, peak RSS "
             f"{row['peak_rss_mib']:,.0f} MiB |"
         )
+    first = results["first_generate_large_over_small"]
+    rss = results["peak_rss_large_over_small"]
     lines.append(f"| large / small: first generate(), RSS | {first:.3f}, {rss:.3f} |")
     lines += [
         "",
         *(f"* {g}: {'met' if ok else 'NOT met'}" for g, ok in results["goals"].items()),
     ]
-    (RESULTS / "extract.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

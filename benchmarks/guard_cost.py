@@ -27,7 +27,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import LAYERS, RUN_ENV, ensure_models, make_workload  # noqa: E402
+from execute import ensure_models, make_workload  # noqa: E402
+from plan import LAYERS, RUN_ENV  # noqa: E402
 
 HOOKS = ("on_embed", "on_first_layer", "on_store", "take")
 MAIN_PARTS = ("prove_rows", "reorder", "_sequences")
@@ -72,7 +73,7 @@ def measure(model: Path, seqs: list[list[int]], batch: int) -> dict[str, Any]:
     from specshim.patches.main import generate_guard
 
     generator = VllmHiddenStatesGenerator(
-        str(model), layer_ids=LAYERS, max_model_len=2048
+        str(model), layer_ids=list(LAYERS), max_model_len=2048
     )
     batches = [seqs[i : i + batch] for i in range(0, len(seqs), batch)]
     tokens = sum(map(len, seqs))

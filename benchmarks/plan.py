@@ -1,0 +1,86 @@
+"""What ``make bench`` measures: paths, systems, models, layers, the sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import MappingProxyType
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = ROOT / "benchmarks"
+CACHE = HERE / ".cache"
+PY = ROOT / ".venv" / "bin" / "python"
+UV = ROOT / ".venv" / "bin" / "uv"
+SPEC041_VENV = ROOT / ".venv-bench-spec041"
+SPEC041_REQS = (HERE / "requirements-spec041.txt", ROOT / "requirements/overrides.txt")
+
+SYSTEMS = ("specshim", "spec041", "hf")
+# In the tables: specshim at speculators' own budget, then at the budget the
+# sweep chose (its label is made from the chosen point: ``tuned_label``).
+ALL_SYSTEMS = ("specshim", "specshim-tuned", "spec041", "hf")
+LABELS = MappingProxyType(
+    {
+        "specshim": "specshim + speculators 0.3.0",
+        "spec041": "speculators 0.4.0.1",
+        "hf": "HF transformers (hooks, 1 seq)",
+    }
+)
+MODELS = ("deepseek_v3", "llama")
+MODEL_LABELS = MappingProxyType(
+    {"deepseek_v3": "DeepSeek-V3 MoE (tiny)", "llama": "Llama (tiny)"}
+)
+LAYERS = (2, 4, 7)
+BATCH = 32  # sequences per generate() call in the comparison
+
+# The sweep: (max_num_seqs, max_batched_tokens, cache_memory_fraction,
+# generate() batch size). The KV cache bounds how many tokens a step can hold
+# (0.2 of 4 GiB: ~84k tokens of the tiny DeepSeek), so the largest steps need
+# a larger fraction.
+NOISE = 0.03  # sweep points this close to the fastest count as equally fast
+DEFAULT_POINT = (32, 8192, 0.2, 32)  # speculators 0.3.0's constants
+SWEEP = (
+    DEFAULT_POINT,
+    (32, 8192, 0.2, 128),
+    (64, 16384, 0.2, 64),
+    (128, 32768, 0.2, 128),
+    (256, 65536, 0.2, 256),
+    (256, 131072, 0.5, 256),
+)
+
+# Runner environment: vLLM's CPU KV-cache space (speculators sizes its cache
+# as a fraction of it), no model hub, MLA off (no CPU kernel; specshim sets it
+# anyway, spec041 needs it too).
+RUN_ENV = MappingProxyType(
+    {
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_MLA_DISABLE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+)
+
+NOTES = (
+    "speculators 0.4.0.1 needs one change to run without a GPU: its "
+    "generator's `mem_get_info()` returns (0, 0) when torch sees no "
+    "accelerator (zero KV blocks). The benchmark makes it return vLLM's "
+    "CPU KV-cache space, the number specshim gives 0.3.0; nothing else.",
+    "speculators 0.4.0.1 returns each batch sorted by request-id string "
+    "(`req_0_10` before `req_0_2`), so a batch of more than 10 comes back "
+    "out of input order. Agreement above is computed after matching rows "
+    "by their input ids; 'input order' says what a caller pairing results "
+    "with inputs by position would get.",
+    "HF runs the decoder stack only (no LM head), bfloat16, one sequence "
+    "per forward; cosine is against an HF float32 forward of the same rows.",
+    "cProfile share: specshim's own functions (tottime) over the wall time "
+    "of one profiled generate(); cProfile slows what it watches, so this is "
+    "an upper bound.",
+)
+
+
+def tuned_label(point: tuple[int, int, float, int]) -> str:
+    """The label of specshim at the sweep's chosen point."""
+    seqs, tokens, fraction, batch = point
+    return (
+        f"specshim + speculators 0.3.0, tuned ({seqs} seqs / "
+        f"{tokens:,} tokens a step, KV {fraction}, {batch} per call)"
+    )
