@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specshim._registry import Incompatible, NotNeeded, SpecShimError
+from specshim._base import SpecShimError
+from specshim._types import Incompatible, NotNeeded
 from specshim.patches.main import (
     chunked_prefill_off,
     cpu_kv_cache_space,
@@ -312,6 +313,68 @@ def test_unique_reply_comes_back_as_a_list():
     ]
     assert executor.collective_rpc("get_kv_cache_spec") == [["a"], ["b"]]
     assert executor.execute_model("so") == "sampled"
+
+
+def test_executor_views_compose_into_one_proxy():
+    from specshim.patches._util import upstream
+
+    once = _applied(execute_then_sample, FakeExecutor)
+    both = _applied(rpc_unique_reply, once)
+    assert both.__wrapped__ is FakeExecutor  # not a view of a view
+    assert upstream(both) is FakeExecutor
+    executor = both(vllm_config=None)
+    real = executor.__wrapped__
+    assert type(real) is FakeExecutor  # one proxy over the real instance
+    assert isinstance(executor, FakeExecutor) and isinstance(executor, both)
+    assert {"execute_model", "collective_rpc"} <= set(vars(type(executor)))
+    # The first patch alone (what revert of the second restores) still works.
+    alone = once(vllm_config=None)
+    assert alone.execute_model("so") == "sampled"
+    assert alone.collective_rpc("x", unique_reply_rank=0) == ["tensor0", "tensor1"]
+
+
+def test_patched_classes_stay_classes_through_every_name():
+    """isclass, isinstance and subclassing through each name a patch wraps in
+    speculators' module (vLLM 0.16: every class patch applies here)."""
+    import importlib
+    import inspect
+
+    import specshim
+    from specshim._base import GENERATOR
+    from specshim._types import State
+    from specshim.patches._util import upstream
+
+    generator = importlib.import_module(GENERATOR)
+    names = {
+        record.patch.attribute
+        for record in specshim.records()
+        if record.patch.module == GENERATOR
+        and record.state is State.APPLIED
+        and "." not in record.patch.attribute
+        and inspect.isclass(upstream(getattr(generator, record.patch.attribute)))
+    }
+    assert names == {
+        "AutoTokenizer",
+        "CacheConfig",
+        "ModelConfig",
+        "MultiprocExecutor",
+        "Request",
+        "Scheduler",
+        "SchedulerConfig",
+    }
+    for name in sorted(names):
+        patched = getattr(generator, name)
+        cls = upstream(patched)
+        assert patched is not cls, name
+        assert inspect.isclass(patched), name
+        assert patched.__name__ == cls.__name__, name
+        assert isinstance(cls.__new__(cls), patched), name
+
+        class Sub(patched):  # type: ignore[misc, valid-type]
+            pass
+
+        assert issubclass(Sub, cls), name
+        assert isinstance(Sub.__new__(Sub), patched), name
 
 
 def test_unique_reply_not_needed_when_list_returned():

@@ -7,9 +7,11 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import wrapt
+
 from specshim._base import GENERATOR, WORKER, SpecShimError
 from specshim._registry import register
-from specshim._types import Incompatible, Patch, Probe
+from specshim._types import Incompatible, NotNeeded, Patch, Probe
 
 __all__ = [
     "GENERATOR",
@@ -17,14 +19,17 @@ __all__ = [
     "WORKER",
     "adapt_kwargs",
     "declare",
+    "force_keyword",
     "headings",
+    "keyword_default",
+    "view_method",
+    "wrap",
     "parameters",
     "require_callable",
     "required",
     "signature_text",
     "upstream",
     "wrap_call",
-    "wrap_result",
 ]
 
 
@@ -61,34 +66,94 @@ def required(param: inspect.Parameter) -> bool:
     )
 
 
+class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
+    """specshim's wrapper of a callable. A wrapped class stays a class:
+    ``inspect.isclass``, ``isinstance`` and subclassing work through it, and
+    ``upstream`` finds what it wraps."""
+
+    __specshim__ = True
+
+
+def wrap(
+    original: Any,
+    call: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any],
+) -> Any:
+    """``original`` (a class or function) called as ``call(original, args, kwargs)``."""
+    return _Wrapper(
+        original, lambda wrapped, _, args, kwargs: call(wrapped, args, kwargs)
+    )
+
+
 def adapt_kwargs(
-    original: Callable[..., Any],
+    original: Any,
     adapt: Callable[[dict[str, Any]], dict[str, Any]],
-) -> Callable[..., Any]:
+) -> Any:
     """A callable that rewrites keyword arguments before calling ``original``.
 
     speculators calls every patched constructor with keywords only, so the
     wrappers only need to see keywords.
     """
-
-    @functools.wraps(original, updated=())
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return original(*args, **adapt(dict(kwargs)))
-
-    call.__specshim__ = True  # type: ignore[attr-defined]
-    return call
+    return wrap(original, lambda wrapped, args, kw: wrapped(*args, **adapt(dict(kw))))
 
 
-def wrap_result(
-    original: Callable[..., Any], after: Callable[[Any], Any]
-) -> Callable[..., Any]:
-    """A callable that post-processes what ``original`` returns."""
+def force_keyword(name: str, value: Any) -> Callable[[Any], Any]:
+    """A build: every call through the patched name passes ``name=value``."""
 
-    @functools.wraps(original, updated=())
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return after(original(*args, **kwargs))
+    def forced(kwargs: dict[str, Any]) -> dict[str, Any]:
+        kwargs[name] = value
+        return kwargs
 
-    call.__specshim__ = True  # type: ignore[attr-defined]
+    return lambda original: adapt_kwargs(original, forced)
+
+
+def keyword_default(original: Any, name: str, *, required: bool) -> Any:
+    """The default of ``original``'s keyword ``name``, for a probe.
+
+    A missing keyword is ``Incompatible`` if ``required``, else ``NotNeeded``.
+    """
+    params = parameters(original)
+    if name not in params:
+        found = f"no {name} parameter in {signature_text(original)}"
+        if required:
+            raise Incompatible(f"the keyword {name}=", found)
+        raise NotNeeded(found)
+    return params[name].default
+
+
+class _View(wrapt.ObjectProxy):  # type: ignore[misc]
+    """An instance seen through specshim: the methods patches override."""
+
+
+class _ViewFactory(_Wrapper):
+    """A class whose instances come back as one ``_View``."""
+
+
+def view_method(original: Any, name: str, method: Callable[..., Any]) -> Any:
+    """A build for a class: its instances come back seen through one proxy, on
+    which ``name(...)`` calls ``method(instance, ...)``.
+
+    Several patches on the same class add their methods to that one proxy
+    rather than stacking proxies. Only the caller holding the proxy sees the
+    methods: the instance's own calls to ``self.name`` reach the original.
+    """
+    methods: dict[str, Callable[..., Any]] = {}
+    if type(original) is _ViewFactory:
+        methods.update(original._self_methods)
+        original = original.__wrapped__
+    methods[name] = method
+    view = type("SpecShimView", (_View,), {n: _forward(m) for n, m in methods.items()})
+    factory = _ViewFactory(
+        original, lambda wrapped, _, args, kwargs: view(wrapped(*args, **kwargs))
+    )
+    factory._self_methods = methods
+    return factory
+
+
+def _forward(method: Callable[..., Any]) -> Callable[..., Any]:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return method(self.__wrapped__, *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = method.__name__
     return call
 
 

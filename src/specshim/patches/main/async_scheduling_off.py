@@ -20,18 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 from specshim._types import NotNeeded
-from specshim.patches._util import adapt_kwargs, declare, parameters
+from specshim.patches._util import declare, force_keyword, keyword_default
 
 
 def _probe(original: Any) -> None:
-    params = parameters(original)
-    if "async_scheduling" not in params or params["async_scheduling"].default is False:
+    if keyword_default(original, "async_scheduling", required=False) is False:
         raise NotNeeded("async scheduling is never enabled implicitly")
-
-
-def _off(kwargs: dict[str, Any]) -> dict[str, Any]:
-    kwargs["async_scheduling"] = False
-    return kwargs
 
 
 PATCH = declare(
@@ -41,6 +35,6 @@ PATCH = declare(
     attribute="SchedulerConfig",
     versions=">=0.14",
     probe=_probe,
-    build=lambda original: adapt_kwargs(original, _off),
+    build=force_keyword("async_scheduling", False),
     drift_rows=(10,),
 )

@@ -23,24 +23,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from specshim._types import Incompatible, NotNeeded
-from specshim.patches._util import adapt_kwargs, declare, parameters
+from specshim._types import NotNeeded
+from specshim.patches._util import declare, force_keyword, keyword_default
 
 
 def _probe(original: Any) -> None:
-    params = parameters(original)
-    if "enable_chunked_prefill" not in params:
-        raise Incompatible(
-            "SchedulerConfig(..., enable_chunked_prefill=...)",
-            "no enable_chunked_prefill parameter",
-        )
-    if params["enable_chunked_prefill"].default is not True:
+    if keyword_default(original, "enable_chunked_prefill", required=True) is not True:
         raise NotNeeded("chunked prefill is off by default")
-
-
-def _off(kwargs: dict[str, Any]) -> dict[str, Any]:
-    kwargs["enable_chunked_prefill"] = False
-    return kwargs
 
 
 PATCH = declare(
@@ -50,6 +39,6 @@ PATCH = declare(
     attribute="SchedulerConfig",
     versions=">=0.12",
     probe=_probe,
-    build=lambda original: adapt_kwargs(original, _off),
+    build=force_keyword("enable_chunked_prefill", False),
     drift_rows=(2,),
 )

@@ -22,18 +22,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import wrapt
-
 from specshim._types import NotNeeded
-from specshim.patches._util import declare, upstream, wrap_result
+from specshim.patches._util import declare, upstream, view_method
 
 
-class _ExecuteThenSample(wrapt.ObjectProxy):  # type: ignore[misc]
-    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        output = self.__wrapped__.execute_model(scheduler_output, *args, **kwargs)
-        if output is None:
-            output = self.__wrapped__.sample_tokens(None)
-        return output
+def execute_model(executor: Any, scheduler_output: Any, *args: Any, **kw: Any) -> Any:
+    output = executor.execute_model(scheduler_output, *args, **kw)
+    if output is None:
+        output = executor.sample_tokens(None)
+    return output
 
 
 def _probe(original: Any) -> None:
@@ -48,6 +45,6 @@ PATCH = declare(
     attribute="MultiprocExecutor",
     versions=">=0.12",
     probe=_probe,
-    build=lambda original: wrap_result(original, _ExecuteThenSample),
+    build=lambda original: view_method(original, "execute_model", execute_model),
     drift_rows=(7,),
 )

@@ -21,24 +21,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from specshim._types import Incompatible, NotNeeded
-from specshim.patches._util import adapt_kwargs, declare, parameters
+from specshim._types import NotNeeded
+from specshim.patches._util import declare, force_keyword, keyword_default
 
 
 def _probe(original: Any) -> None:
-    params = parameters(original)
-    if "enable_prefix_caching" not in params:
-        raise Incompatible(
-            "CacheConfig(..., enable_prefix_caching=...)",
-            "no enable_prefix_caching parameter",
-        )
-    if params["enable_prefix_caching"].default in (False, None):
+    if keyword_default(original, "enable_prefix_caching", required=True) in (
+        False,
+        None,
+    ):
         raise NotNeeded("prefix caching is off by default")
-
-
-def _off(kwargs: dict[str, Any]) -> dict[str, Any]:
-    kwargs["enable_prefix_caching"] = False
-    return kwargs
 
 
 PATCH = declare(
@@ -48,6 +40,6 @@ PATCH = declare(
     attribute="CacheConfig",
     versions=">=0.12",
     probe=_probe,
-    build=lambda original: adapt_kwargs(original, _off),
+    build=force_keyword("enable_prefix_caching", False),
     drift_rows=(3,),
 )

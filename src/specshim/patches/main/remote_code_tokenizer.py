@@ -31,6 +31,8 @@ from specshim.patches._util import declare
 
 
 class _ConsentingTokenizer(wrapt.ObjectProxy):  # type: ignore[misc]
+    __specshim__ = True  # upstream() sees through it
+
     def from_pretrained(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["trust_remote_code"] = trust_remote_code()
         return self.__wrapped__.from_pretrained(*args, **kwargs)

@@ -25,18 +25,15 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import wrapt
-
 from specshim._types import Incompatible, NotNeeded
-from specshim.patches._util import declare, upstream, wrap_result
+from specshim.patches._util import declare, upstream, view_method
 
 
-class _ListReply(wrapt.ObjectProxy):  # type: ignore[misc]
-    def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        result = self.__wrapped__.collective_rpc(method, *args, **kwargs)
-        if kwargs.get("unique_reply_rank") is not None:
-            return [result]
-        return result
+def collective_rpc(executor: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+    result = executor.collective_rpc(method, *args, **kwargs)
+    if kwargs.get("unique_reply_rank") is not None:
+        return [result]
+    return result
 
 
 def _probe(original: Any) -> None:
@@ -58,6 +55,6 @@ PATCH = declare(
     attribute="MultiprocExecutor",
     versions=">=0.12",
     probe=_probe,
-    build=lambda original: wrap_result(original, _ListReply),
+    build=lambda original: view_method(original, "collective_rpc", collective_rpc),
     drift_rows=(8,),
 )

@@ -28,12 +28,11 @@ Remove when:
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
 from specshim._types import Incompatible, NotNeeded
-from specshim.patches._util import declare, parameters
+from specshim.patches._util import declare, parameters, wrap
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +62,7 @@ def supported_modalities(model_config: Any) -> list[str]:
 def _build(original: Any) -> Any:
     direct = "language_model_only" in parameters(original)
 
-    @functools.wraps(original, updated=())
-    def model_config(*args: Any, **kwargs: Any) -> Any:
+    def model_config(original: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         chosen = kwargs.get("limit_mm_per_prompt") is not None
         if direct and not chosen and "language_model_only" not in kwargs:
             config = original(*args, **kwargs, language_model_only=True)
@@ -91,8 +89,7 @@ def _build(original: Any) -> Any:
             *args, **kwargs, limit_mm_per_prompt={name: 0 for name in modalities}
         )
 
-    model_config.__specshim__ = True  # type: ignore[attr-defined]
-    return model_config
+    return wrap(original, model_config)
 
 
 PATCH = declare(
