@@ -14,6 +14,7 @@ from typing import Any
 
 from specshim._base import SpecShimError, UsageError
 from specshim._settings import DEFAULT_BATCH_SIZE, KNOBS, STEP_DEFAULTS
+from specshim._versions import TESTED_VLLM
 
 
 @contextlib.contextmanager
@@ -265,13 +266,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specshim",
         description=(
-            "Run speculators 0.3.0's hidden-state generator, unmodified, on vLLM 0.16."
+            "Run speculators 0.3.0's hidden-state generator, unmodified, on newer "
+            f"vLLM (tested: {TESTED_VLLM[0]} to {TESTED_VLLM[-1]})."
         ),
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
+    for add in (_add_extract, _add_verify, _add_status, _add_tools):
+        add(commands)
+    return parser
 
+
+def _add_extract(commands: argparse._SubParsersAction) -> None:
     extract = _command(
         commands,
         "extract",
@@ -332,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     _trust_flag(extract)
     extract.set_defaults(func=_extract)
 
+
+def _add_verify(commands: argparse._SubParsersAction) -> None:
     verify = _command(
         commands,
         "verify",
@@ -373,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     _trust_flag(verify)
     verify.set_defaults(func=_verify)
 
+
+def _add_status(commands: argparse._SubParsersAction) -> None:
     status = _command(
         commands,
         "status",
@@ -386,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     _data_flags(status)
     status.set_defaults(func=_status)
 
+
+def _add_tools(commands: argparse._SubParsersAction) -> None:
+    """demo, run, doctor, check and table."""
     demo = _command(
         commands,
         "demo",
@@ -437,8 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     table = _command(
         commands,
         "table",
-        "Print the patch table (markdown) generated from the registry.",
-        "specshim table --write README.md",
+        "Print the patch table (markdown) generated from the patch files; "
+        "--write updates the generated tables in README.md and docs/drift.md.",
+        "specshim table --write README.md --write docs/drift.md",
     )
     table.add_argument(
         "--write",
@@ -451,7 +466,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--drift", action="store_true", help="print the drift table instead"
     )
     table.set_defaults(func=_table)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
