@@ -12,7 +12,16 @@ from specshim._base import SpecShimError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
+
+
+def rewrite(path: Path, transform: Callable[[str], str]) -> None:
+    """Replace the file's text by ``transform(text)``, writing only on change."""
+    text = path.read_text(encoding="utf-8")
+    new = transform(text)
+    if new != text:
+        path.write_text(new, encoding="utf-8")
 
 
 class Block:
@@ -42,15 +51,6 @@ class Block:
         head, _, tail = self._split(text, where)
         return f"{head}{self.begin}\n{content}\n{self.end}{tail}"
 
-    def write(self, path: Path, content: str) -> bool:
-        """Replace the block in the file; True if the file changed."""
-        text = path.read_text(encoding="utf-8")
-        new = self.render(text, content, str(path))
-        if new != text:
-            path.write_text(new, encoding="utf-8")
-        return new != text
-
-    def current(self, path: Path, content: str) -> bool:
-        """Whether the file's block already holds ``content``."""
-        text = path.read_text(encoding="utf-8")
-        return self.render(text, content, str(path)) == text
+    def write(self, path: Path, content: str) -> None:
+        """Replace the block in the file (written only if it changes)."""
+        rewrite(path, lambda text: self.render(text, content, str(path)))

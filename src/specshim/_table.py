@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from specshim._base import SpecShimError
-from specshim._blocks import Block
+from specshim._blocks import Block, rewrite
 from specshim._registry import registry
 
 PATCH_TABLE = Block(
@@ -94,7 +94,4 @@ def render_into(text: str, where: str = "README") -> str:
 
 
 def write_tables(path: Path) -> None:
-    text = path.read_text(encoding="utf-8")
-    new = render_into(text, str(path))
-    if new != text:
-        path.write_text(new, encoding="utf-8")
+    rewrite(path, lambda text: render_into(text, str(path)))
