@@ -240,7 +240,17 @@ def configure(
     return settings()
 
 
-class configured:  # noqa: N801 - used as a function: ``with specshim.configured(...)``
+class preserved:  # noqa: N801 - used as a function: ``with preserved():``
+    """Leaves the settings as the block found them (extract uses it)."""
+
+    def __enter__(self) -> None:
+        self._saved = snapshot()
+
+    def __exit__(self, *exc_info: object) -> None:
+        restore(self._saved)
+
+
+class configured(preserved):  # noqa: N801 - used as ``with specshim.configured()``
     """``configure`` for the length of a ``with`` block; then exactly what was before.
 
     ``with specshim.configured(max_num_seqs=64) as state:`` - generators built
@@ -256,17 +266,12 @@ class configured:  # noqa: N801 - used as a function: ``with specshim.configured
                 f"known: {sorted(_BY_NAME)}"
             )
         self._knobs = knobs
-        self._saved: tuple[Any, ...] | None = None
 
-    def __enter__(self) -> dict[str, Any]:
+    def __enter__(self) -> dict[str, Any]:  # type: ignore[override]
         chosen = _checked(self._knobs, "specshim.configured", "configured()")
-        self._saved = snapshot()
+        super().__enter__()
         _set(chosen)
         return settings()
-
-    def __exit__(self, *exc_info: object) -> None:
-        assert self._saved is not None
-        restore(self._saved)
 
 
 def resolve(
@@ -280,12 +285,10 @@ def resolve(
     out: dict[str, tuple[Any, str]] = {}
     for knob in KNOBS:
         flag = flags.get(knob.name)
-        raw = os.environ.get(knob.env, "").strip()
         if flag is not None:
             out[knob.name] = (_validate(knob, flag, caller), f"flag {knob.flag}")
-        elif raw:
-            where = f"environment {knob.env}"
-            out[knob.name] = (_validate(knob, raw, where), f"env {knob.env}")
+        elif (from_env := _from_environment(knob)) is not None:
+            out[knob.name] = (from_env, f"env {knob.env}")
         else:
             value = _validate(knob, defaults[knob.name], caller)
             out[knob.name] = (value, f"{caller} default")
@@ -296,6 +299,12 @@ def apply_resolved(chosen: dict[str, tuple[Any, str]]) -> dict[str, Any]:
     """Put ``resolve``'s values in force; returns ``settings()``."""
     _set(chosen)
     return settings()
+
+
+def _from_environment(knob: Knob) -> Any:
+    """The knob's checked value from its ``SPECSHIM_*`` variable; None if unset."""
+    raw = os.environ.get(knob.env, "").strip()
+    return _validate(knob, raw, f"environment {knob.env}") if raw else None
 
 
 def _checked(
@@ -321,16 +330,6 @@ def trust_remote_code() -> bool:
         if _trust:
             return _trust[0]
     return os.environ.get(TRUST_ENV, "").strip().lower() in ("1", "true", "yes")
-
-
-class preserved:  # noqa: N801 - used as a function: ``with preserved():``
-    """Leaves the settings as the block found them (extract uses it)."""
-
-    def __enter__(self) -> None:
-        self._saved = snapshot()
-
-    def __exit__(self, *exc_info: object) -> None:
-        restore(self._saved)
 
 
 def snapshot() -> tuple[dict[str, Any], dict[str, str], list[bool]]:
@@ -375,9 +374,9 @@ def load_environment() -> None:
     """Read the ``SPECSHIM_*`` knob variables (``arm`` does, at import)."""
     found = {}
     for knob in KNOBS:
-        raw = os.environ.get(knob.env, "").strip()
-        if raw:
-            found[knob.name] = _validate(knob, raw, f"environment {knob.env}")
+        value = _from_environment(knob)
+        if value is not None:
+            found[knob.name] = value
     if not found:
         return
     with _lock:
