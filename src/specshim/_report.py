@@ -116,13 +116,13 @@ def format_report(data: dict[str, Any] | None = None) -> str:
     lines.append(f"  plugin        entry point {installed}, {allowed} by VLLM_PLUGINS")
     lines.append("")
     width = max(len(p["id"]) for p in data["patches"])
-    lines.append(f"  {'patch':<{width}}  {'runs in':<7}  {'state':<12}  detail")
+    lines.append(f"  {'patch':<{width}}  {'runs in':<12}  {'state':<12}  detail")
     for item in data["patches"]:
         detail = item["detail"]
         if item["version_advice"] == "outside range" and item["state"] == "applied":
             detail += f" (note: meant for {item['meant_for']})"
         lines.append(
-            f"  {item['id']:<{width}}  {item['process']:<7}  "
+            f"  {item['id']:<{width}}  {item['process']:<12}  "
             f"{item['state']:<12}  {detail}"
         )
     knobs = data.get("settings", {})
