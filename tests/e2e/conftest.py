@@ -13,11 +13,20 @@ MAX_MODEL_LEN = 1024
 # The Hugging Face model each fixture is checked against. Kimi-K2.5's text
 # weights are exactly the tiny DeepSeek-V3's (same seed), and its text model is
 # a DeepseekV3ForCausalLM.
-HF_REFERENCE = {"kimi_k25": "deepseek_v3"}
+HF_REFERENCE = {"kimi_k25": "deepseek_v3", "kimi_k25_mla": "deepseek_v3_mla"}
 
 
 # Checkpoints that ship Python code (an auto_map): the tests consent to it.
-SHIPS_CODE = {"kimi_k25"}
+SHIPS_CODE = {"kimi_k25", "kimi_k25_mla"}
+
+
+def _cpu_mla_cases() -> list[Any]:
+    """DeepSeek-V3 and Kimi-K2.5 on vLLM's real CPU MLA path, where vLLM has one
+    (0.29+; the cases above run them with plain attention). Older releases have
+    no such path to test."""
+    from specshim.patches.main.cpu_mla_disable import cpu_mla_missing
+
+    return [] if cpu_mla_missing() else [("deepseek_v3_mla", 1), ("kimi_k25_mla", 1)]
 
 
 def make_generator(
@@ -202,6 +211,7 @@ def hf_reference() -> Any:
         ("deepseek_v3", 1, "small-steps"),
         ("llama", 1, "large-steps"),
         ("deepseek_v3", 1, "large-steps"),
+        *_cpu_mla_cases(),
     ],
     ids=lambda p: "-".join([p[0], f"tp{p[1]}", *p[2:]]),
 )
@@ -228,6 +238,8 @@ def generator(request: pytest.FixtureRequest, tiny_model_dir: Any) -> Iterator[A
     assert scheduler.max_num_batched_tokens == max(
         expected["max_batched_tokens"], MAX_MODEL_LEN
     )
+    if name.endswith("_mla"):  # the real MLA path, not plain attention
+        assert gen.vllm_config.model_config.use_mla is True
     gen.specshim_reference_name = HF_REFERENCE.get(name, name)
     try:
         yield gen

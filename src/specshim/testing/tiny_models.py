@@ -279,9 +279,27 @@ def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
     return path
 
 
+# The latent width vLLM's CPU MLA kernels take (kv_lora_rank + qk_rope_head_dim
+# = 512 + 64, as in DeepSeek-V3 and Kimi-K2.5); the small fixtures above (64)
+# run with plain attention. These two run vLLM's real MLA path on its CPU
+# backend where it has one.
+MLA_WIDTH = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+
+def build_deepseek_v3_mla(path: Path, seed: int = 0) -> Path:
+    return build_deepseek_v3(path, seed, **MLA_WIDTH)
+
+
+def build_kimi_k25_mla(path: Path, seed: int = 0) -> Path:
+    """Its text weights equal ``build_deepseek_v3_mla(seed)``'s."""
+    return build_kimi_k25(path, seed, **MLA_WIDTH)
+
+
 BUILDERS: dict[str, Callable[..., Path]] = {
     "llama": build_llama,
     "qwen2": build_qwen2,
     "deepseek_v3": build_deepseek_v3,
     "kimi_k25": build_kimi_k25,
+    "deepseek_v3_mla": build_deepseek_v3_mla,
+    "kimi_k25_mla": build_kimi_k25_mla,
 }
