@@ -27,7 +27,7 @@ Remove when:
 
 from __future__ import annotations
 
-import sys
+import importlib
 from typing import Any
 
 from specshim._base import TRANSFORMERS_CONFIG
@@ -38,7 +38,7 @@ from specshim.patches._util import declare
 def _probe(original: Any) -> None:
     if original is not None:
         raise NotNeeded("transformers' config module binds torch itself")
-    module = sys.modules[TRANSFORMERS_CONFIG]
+    module = importlib.import_module(TRANSFORMERS_CONFIG)  # loaded: the hook fired
     config = getattr(module, "PretrainedConfig", None)
     if config is None:
         raise Incompatible("transformers.configuration_utils.PretrainedConfig", "none")
