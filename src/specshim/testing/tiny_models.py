@@ -228,9 +228,10 @@ def moonvit_weight_shapes(vision: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
     """A tiny Kimi-K2.5 whose text weights equal ``build_deepseek_v3(seed)``'s."""
     import shutil
+    import tempfile
 
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from specshim.testing import kimi_k25_code
@@ -239,9 +240,16 @@ def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     text_config = deepseek_v3_config(**text_overrides)
     text = _init_model(DeepseekV3Config(**text_config), DeepseekV3ForCausalLM, seed)
+    # The text weights as a checkpoint holds them: save_pretrained's names
+    # (transformers 5 keeps MoE experts fused in memory and writes them per
+    # expert), not the in-memory state_dict's.
+    with tempfile.TemporaryDirectory() as scratch:
+        text.save_pretrained(scratch, safe_serialization=True)
+        saved = {}
+        for shard in sorted(Path(scratch).glob("*.safetensors")):
+            saved.update(load_file(str(shard)))
     tensors = {
-        f"language_model.{name}": tensor.contiguous()
-        for name, tensor in text.state_dict().items()
+        f"language_model.{name}": tensor.contiguous() for name, tensor in saved.items()
     }
     generator = torch.Generator().manual_seed(seed + 1)
     for name, shape in moonvit_weight_shapes(KIMI_VISION_CONFIG).items():
