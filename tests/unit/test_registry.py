@@ -352,3 +352,25 @@ def test_on_an_untested_release_the_probe_decides_unless_strict(monkeypatch):
     monkeypatch.setenv("SPECSHIM_STRICT", "1")
     (gate,) = [c for c in compat._patches() if c.name == "patch eagle3-gate"]
     assert not gate.ok and "not where the patch's history puts it" in gate.detail
+
+
+@pytest.mark.parametrize(
+    ("installed", "refused"),
+    [("4.57.6", False), ("5.23.0", False), ("5.24.0", True), ("6.0.0rc1", True)],
+)
+def test_a_transformers_speculators_cannot_import_is_named(
+    monkeypatch, installed, refused
+):
+    from specshim import _report
+
+    real = _versions.installed_version
+    monkeypatch.setattr(
+        _versions,
+        "installed_version",
+        lambda package: installed if package == "transformers" else real(package),
+    )
+    advice = _versions.transformers_advice()
+    assert (advice is not None) is refused
+    if refused:
+        assert "install transformers<5.24" in advice
+        assert advice in _report.report()["advice"]
