@@ -279,6 +279,21 @@ def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
         "image_processor_type": "TinyKimiK25ImageProcessor",
         "patch_size": KIMI_VISION_CONFIG["patch_size"],
         "merge_kernel_size": KIMI_VISION_CONFIG["merge_kernel_size"],
+        # What vLLM 0.25+ builds its own (fused) Kimi-K2.5 processor from, as
+        # the real checkpoint's preprocessor_config.json carries it; limits
+        # sized for the tiny MoonViT.
+        "media_proc_cfg": {
+            "patch_size": KIMI_VISION_CONFIG["patch_size"],
+            "merge_kernel_size": KIMI_VISION_CONFIG["merge_kernel_size"][0],
+            "temporal_merge_kernel_size": 4,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "in_patch_limit": 64,
+            "in_patch_limit_each_frame": 64,
+            "in_patch_limit_video": None,
+            "patch_limit_on_one_side": 8,
+            "fixed_output_tokens": None,
+        },
     }
     (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     code = Path(kimi_k25_code.__file__).parent
