@@ -29,6 +29,7 @@ MAIN = (
     "execute_then_sample",
     "rpc_unique_reply",
     "warm_up_after_init",
+    "kv_cache_layout",
     "generate_guard",
 )
 WORKER = (
@@ -42,7 +43,6 @@ WORKER = (
 
 # Rows of the drift table (docs/drift.md) that no patch answers, and why.
 UNPATCHED_DRIFT = {
-    21: "vLLM 0.28: a CPU MLA backend; newer than the newest tested release.",
     23: "vLLM 0.17+: native hidden-state extraction (``extract_hidden_states``); "
     "another way to get the states, not a break.",
 }
