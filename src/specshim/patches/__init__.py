@@ -20,6 +20,7 @@ MAIN = (
     "chunked_prefill_off",
     "async_scheduling_off",
     "prefix_caching_off",
+    "cpu_block_size",
     "cpu_mla_disable",
     "text_only_loading",
     "kv_cache_config_args",
