@@ -20,6 +20,9 @@ HF_REFERENCE = {"kimi_k25": "deepseek_v3", "kimi_k25_mla": "deepseek_v3_mla"}
 SHIPS_CODE = {"kimi_k25", "kimi_k25_mla"}
 
 
+CPU_MLA_STEP_TOKENS = 2048  # vLLM's DEFAULT_MAX_NUM_BATCHED_TOKENS under CPU MLA
+
+
 def _cpu_mla_cases() -> list[Any]:
     """DeepSeek-V3 and Kimi-K2.5 on vLLM's real CPU MLA path, where vLLM has one
     (0.29+; the cases above run them with plain attention). Older releases have
@@ -234,12 +237,15 @@ def generator(request: pytest.FixtureRequest, tiny_model_dir: Any) -> Iterator[A
         specshim.configure(reset=True)  # read at construction; later ones get 0.3.0's
     scheduler = gen.vllm_config.scheduler_config
     expected = {"max_num_seqs": 32, "max_batched_tokens": 8192, **settings}
+    if name.endswith("_mla"):  # the real MLA path, not plain attention
+        assert gen.vllm_config.model_config.use_mla is True
+        # vLLM's CPU platform sets the step budget for its MLA backend itself:
+        # max(max_model_len, 2048) tokens (CpuPlatform.check_and_update_config).
+        expected["max_batched_tokens"] = CPU_MLA_STEP_TOKENS
     assert scheduler.max_num_seqs == expected["max_num_seqs"]
     assert scheduler.max_num_batched_tokens == max(
         expected["max_batched_tokens"], MAX_MODEL_LEN
     )
-    if name.endswith("_mla"):  # the real MLA path, not plain attention
-        assert gen.vllm_config.model_config.use_mla is True
     gen.specshim_reference_name = HF_REFERENCE.get(name, name)
     try:
         yield gen
