@@ -338,3 +338,46 @@ def test_check_command_passes_and_names_every_patch():
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     for record in specshim.records():
         assert f"patch {record.patch.id}" in out.stdout
+
+
+def test_speculators_imports_by_every_route_and_needs_the_patch_where_applied():
+    """transformers-torch-annotation must take effect before speculators is
+    imported, whichever way specshim arrives: the vLLM plugin (how workers get
+    it) and ``specshim run`` (sitecustomize) as well as ``import specshim``,
+    which this whole tier runs under. Without specshim, the import must fail
+    with transformers' unresolvable ``torch`` exactly where the patch applied."""
+    import os
+
+    from specshim._types import State
+
+    (record,) = [
+        r for r in specshim.records() if r.patch.id == "transformers-torch-annotation"
+    ]
+    applied = record.state is State.APPLIED
+    code = "import speculators.data_generation.custom_worker"
+    plugin = "from vllm.plugins import load_general_plugins; load_general_plugins(); "
+    routes = {
+        "without specshim": [sys.executable, "-c", code],
+        "vLLM plugin": [sys.executable, "-c", plugin + code],
+        "specshim run": [sys.executable, "-m", "specshim", "run", "--"]
+        + [sys.executable, "-c", code],
+    }
+    env = {k: v for k, v in os.environ.items() if k != "SPECSHIM_DISABLE"}
+    started = {
+        route: subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        for route, cmd in routes.items()
+    }
+    done = {
+        route: (p.communicate(timeout=300)[0], p.returncode)
+        for route, p in started.items()
+    }
+    for route in ("vLLM plugin", "specshim run"):
+        output, rc = done[route]
+        assert rc == 0, f"{route}: {output[-2000:]}"
+    output, rc = done["without specshim"]
+    if applied:
+        assert rc != 0 and "name 'torch' is not defined" in output, output[-2000:]
+    else:
+        assert rc == 0, f"not applied ({record.detail}), yet: {output[-2000:]}"
