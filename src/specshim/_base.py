@@ -9,6 +9,7 @@ __all__ = [
     "GENERATOR",
     "HOOKED_MODULES",
     "PACKAGES",
+    "TRANSFORMERS_CONFIG",
     "WORKER",
     "SpecShimError",
     "SpecShimWarning",
@@ -35,7 +36,10 @@ class SpecShimWarning(UserWarning):
 # process) and its worker extension (inside every vLLM worker).
 GENERATOR = "speculators.data_generation.vllm_hidden_states_generator"
 WORKER = "speculators.data_generation.custom_worker"
-HOOKED_MODULES = (GENERATOR, WORKER)
+# What speculators needs of its dependencies before it can even be imported
+# (patches/deps/, in every process): transformers' config module.
+TRANSFORMERS_CONFIG = "transformers.configuration_utils"
+HOOKED_MODULES = (TRANSFORMERS_CONFIG, GENERATOR, WORKER)
 
 # The packages whose versions decide what specshim does, as reports name them.
 PACKAGES = ("vllm", "speculators", "torch", "transformers")

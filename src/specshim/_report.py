@@ -9,7 +9,12 @@ from specshim._base import GENERATOR, PACKAGES
 from specshim._registry import records
 from specshim._settings import settings, strict, trust_remote_code
 from specshim._types import State
-from specshim._versions import installed_version, version_advice, vllm_release_status
+from specshim._versions import (
+    installed_version,
+    transformers_advice,
+    version_advice,
+    vllm_release_status,
+)
 
 PLUGIN_NAME = "specshim"
 
@@ -89,6 +94,9 @@ def _advice(patches: list[dict[str, Any]]) -> list[str]:
     for name in ("vllm", "speculators"):
         if installed_version(name) is None:
             advice.append(f"{name} is not installed in this environment.")
+    too_new = transformers_advice()
+    if too_new:
+        advice.append(too_new)
     for item in patches:
         if item["state"] in (State.INCOMPATIBLE.value, State.FAILED.value):
             advice.append(
@@ -116,13 +124,13 @@ def format_report(data: dict[str, Any] | None = None) -> str:
     lines.append(f"  plugin        entry point {installed}, {allowed} by VLLM_PLUGINS")
     lines.append("")
     width = max(len(p["id"]) for p in data["patches"])
-    lines.append(f"  {'patch':<{width}}  {'runs in':<7}  {'state':<12}  detail")
+    lines.append(f"  {'patch':<{width}}  {'runs in':<12}  {'state':<12}  detail")
     for item in data["patches"]:
         detail = item["detail"]
         if item["version_advice"] == "outside range" and item["state"] == "applied":
             detail += f" (note: meant for {item['meant_for']})"
         lines.append(
-            f"  {item['id']:<{width}}  {item['process']:<7}  "
+            f"  {item['id']:<{width}}  {item['process']:<12}  "
             f"{item['state']:<12}  {detail}"
         )
     knobs = data.get("settings", {})

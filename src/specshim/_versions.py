@@ -113,6 +113,15 @@ TESTED_VLLM = (
     "0.21.0",
     "0.22.1",
     "0.23.0",
+    "0.24.0",
+    "0.25.1",
+    "0.26.0",
+    "0.27.1",
+    "0.28.0",
+    "0.29.0",
+    "0.30.0",
+    "0.31.0",
+    "0.32.0",
 )
 
 
@@ -149,3 +158,24 @@ def version_advice(patch: Patch) -> str:
     release = Version(".".join(map(str, numbers)))
     inside = SpecifierSet(patch.versions).contains(release, prereleases=True)
     return "in range" if inside else "outside range"
+
+
+# transformers releases under which unmodified speculators 0.3.0 cannot be
+# imported at all, whatever specshim does: 5.24 deleted
+# ``transformers.modeling_attn_mask_utils``, which speculators' EAGLE model
+# module imports when ``import speculators`` loads it.
+TRANSFORMERS_TOO_NEW = (5, 24)
+
+
+def transformers_advice() -> str | None:
+    """Why the installed transformers cannot run speculators 0.3.0, if it cannot."""
+    numbers = installed_release("transformers")
+    if numbers is None or tuple(numbers[:2]) < TRANSFORMERS_TOO_NEW:
+        return None
+    return (
+        f"transformers {installed_version('transformers')} deleted "
+        "transformers.modeling_attn_mask_utils, which speculators 0.3.0 imports "
+        "(speculators/models/eagle.py), so speculators cannot be imported: install "
+        "transformers<5.24 (every vLLM release that takes transformers 5 accepts "
+        "one below 5.24)."
+    )

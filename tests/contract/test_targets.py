@@ -108,6 +108,55 @@ def _cpu_runner_on_the_v2_runner():
         return False
 
 
+def _warm_up_left_out_of_initialize_from_config():
+    init = _gen("MultiprocExecutor").initialize_from_config
+    return "compile_or_warm_up_model" not in inspect.getsource(init)
+
+
+def _has_cpu_mla_backend():
+    spec = "vllm.v1.attention.backends.mla.cpu_mla"
+    try:
+        return importlib.util.find_spec(spec) is not None
+    except ModuleNotFoundError:  # no vllm.v1.attention.backends.mla package
+        return False
+
+
+def _cpu_mla_prefill_builds():
+    """vLLM 0.28's MLA layers on CPU ask for the FlashAttention prefill, whose
+    import is CUDA-only; 0.29 answers with a PyTorch SDPA prefill. specshim's
+    cpu_mla_missing() must agree with what vLLM really does."""
+    from specshim.patches.main.cpu_mla_disable import cpu_mla_missing
+
+    try:
+        selector = importlib.import_module("vllm.v1.attention.backends.mla.prefill")
+    except ImportError:
+        built = False
+    else:
+        try:
+            built = "cpu" in selector.get_mla_prefill_backend(None).__module__
+        except ImportError:
+            built = False
+    assert built == (cpu_mla_missing() is None), cpu_mla_missing()
+    return built
+
+
+def _kv_cache_layout_resolved_by_the_engine():
+    utils = importlib.import_module("vllm.v1.attention.backends.utils")
+    return hasattr(utils, "resolve_kv_cache_layout")
+
+
+def _cpu_attention_refuses_16_token_blocks():
+    from specshim.patches.main.cpu_block_size import cpu_attention_accepts
+
+    return cpu_attention_accepts(16) is False
+
+
+def _sequence_parallel_pass_gone():
+    from specshim.patches.worker.capture_contract import _sequence_parallel_passes
+
+    return not _sequence_parallel_passes()
+
+
 # (drift row, fact, since, check)
 FACTS = [
     (
@@ -219,6 +268,27 @@ FACTS = [
         (0, 15),
         _towers_skippable,
     ),
+    (
+        20,
+        "initialize_from_config no longer warms the workers up",
+        (0, 27),
+        _warm_up_left_out_of_initialize_from_config,
+    ),
+    (21, "a CPU MLA backend", (0, 28), _has_cpu_mla_backend),
+    (21, "a CPU prefill for MLA", (0, 29), _cpu_mla_prefill_builds),
+    (
+        24,
+        "the engine resolves one KV cache layout",
+        (0, 29),
+        _kv_cache_layout_resolved_by_the_engine,
+    ),
+    (
+        26,
+        "CPU attention kernels refuse 16-token blocks",
+        (0, 29),
+        _cpu_attention_refuses_16_token_blocks,
+    ),
+    (25, "no sequence-parallelism pass", (0, 32), _sequence_parallel_pass_gone),
 ]
 
 
@@ -268,3 +338,46 @@ def test_check_command_passes_and_names_every_patch():
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     for record in specshim.records():
         assert f"patch {record.patch.id}" in out.stdout
+
+
+def test_speculators_imports_by_every_route_and_needs_the_patch_where_applied():
+    """transformers-torch-annotation must take effect before speculators is
+    imported, whichever way specshim arrives: the vLLM plugin (how workers get
+    it) and ``specshim run`` (sitecustomize) as well as ``import specshim``,
+    which this whole tier runs under. Without specshim, the import must fail
+    with transformers' unresolvable ``torch`` exactly where the patch applied."""
+    import os
+
+    from specshim._types import State
+
+    (record,) = [
+        r for r in specshim.records() if r.patch.id == "transformers-torch-annotation"
+    ]
+    applied = record.state is State.APPLIED
+    code = "import speculators.data_generation.custom_worker"
+    plugin = "from vllm.plugins import load_general_plugins; load_general_plugins(); "
+    routes = {
+        "without specshim": [sys.executable, "-c", code],
+        "vLLM plugin": [sys.executable, "-c", plugin + code],
+        "specshim run": [sys.executable, "-m", "specshim", "run", "--"]
+        + [sys.executable, "-c", code],
+    }
+    env = {k: v for k, v in os.environ.items() if k != "SPECSHIM_DISABLE"}
+    started = {
+        route: subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        for route, cmd in routes.items()
+    }
+    done = {
+        route: (p.communicate(timeout=300)[0], p.returncode)
+        for route, p in started.items()
+    }
+    for route in ("vLLM plugin", "specshim run"):
+        output, rc = done[route]
+        assert rc == 0, f"{route}: {output[-2000:]}"
+    output, rc = done["without specshim"]
+    if applied:
+        assert rc != 0 and "name 'torch' is not defined" in output, output[-2000:]
+    else:
+        assert rc == 0, f"not applied ({record.detail}), yet: {output[-2000:]}"

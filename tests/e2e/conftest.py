@@ -13,11 +13,23 @@ MAX_MODEL_LEN = 1024
 # The Hugging Face model each fixture is checked against. Kimi-K2.5's text
 # weights are exactly the tiny DeepSeek-V3's (same seed), and its text model is
 # a DeepseekV3ForCausalLM.
-HF_REFERENCE = {"kimi_k25": "deepseek_v3"}
+HF_REFERENCE = {"kimi_k25": "deepseek_v3", "kimi_k25_mla": "deepseek_v3_mla"}
 
 
 # Checkpoints that ship Python code (an auto_map): the tests consent to it.
-SHIPS_CODE = {"kimi_k25"}
+SHIPS_CODE = {"kimi_k25", "kimi_k25_mla"}
+
+
+CPU_MLA_STEP_TOKENS = 2048  # vLLM's DEFAULT_MAX_NUM_BATCHED_TOKENS under CPU MLA
+
+
+def _cpu_mla_cases() -> list[Any]:
+    """DeepSeek-V3 and Kimi-K2.5 on vLLM's real CPU MLA path, where vLLM has one
+    (0.29+; the cases above run them with plain attention). Older releases have
+    no such path to test."""
+    from specshim.patches.main.cpu_mla_disable import cpu_mla_missing
+
+    return [] if cpu_mla_missing() else [("deepseek_v3_mla", 1), ("kimi_k25_mla", 1)]
 
 
 def make_generator(
@@ -63,7 +75,31 @@ BUDGETS: dict[str, dict[str, Any]] = {
 
 
 def close_generator(generator: Any) -> None:
-    generator.executor.shutdown()
+    """Shut the workers down and close the main process's queue sockets.
+
+    From vLLM 0.29 (seen on 0.30), shutting down a reader ``MessageQueue``
+    leaves a cancel ping in an in-process PAIR socket whose linger is infinite.
+    After a worker error the queues sit in a reference cycle with the
+    traceback, and the next full garbage collection (pytest runs one at exit)
+    terminates their zmq context, which then waits for that socket forever.
+    """
+    executor = generator.executor
+    queues = [
+        getattr(executor, "rpc_broadcast_mq", None),
+        *(getattr(executor, "response_mqs", None) or ()),
+    ]
+    executor.shutdown()
+    for queue in queues:
+        _close_sockets(queue)
+        _close_sockets(getattr(queue, "_spin_condition", None))
+
+
+def _close_sockets(owner: Any) -> None:
+    import zmq
+
+    for value in list(vars(owner).values()) if owner is not None else ():
+        if isinstance(value, zmq.Socket) and not value.closed:
+            value.close(linger=0)
 
 
 def shutdown_half_built(error: BaseException) -> bool:
@@ -123,8 +159,19 @@ _PADDING_011 = (
     "key.shape[0] == num_prefill_tokens + num_decode_tokens): the test-only "
     "padding kills the worker before any row is captured"
 )
+_PADDING_CPU_MLA = (
+    "vLLM's CPU MLA backend cannot run a padded forward (its KV-cache write fails "
+    "'shape mismatch: value tensor of shape [89, 512] cannot be broadcast to "
+    "indexing result of shape [86, 512]', seen on 0.29): the test-only padding "
+    "kills the worker before any row is captured"
+)
 # (model, vLLM minor, test) -> (reason, CPU flag whose absence it needs or "")
 UPSTREAM_CPU_CASE_DEFECTS = {
+    **{
+        (name, minor, "test_padded_forwards_are_refused"): (_PADDING_CPU_MLA, "")
+        for name in ("deepseek_v3_mla", "kimi_k25_mla")
+        for minor in ((0, 29), (0, 30), (0, 31), (0, 32))
+    },
     ("deepseek_v3", (0, 11), "test_repeated_calls_with_different_batch_sizes"): (
         _DEEPSEEK_011_NO_AMX,
         "amx_bf16",
@@ -202,6 +249,7 @@ def hf_reference() -> Any:
         ("deepseek_v3", 1, "small-steps"),
         ("llama", 1, "large-steps"),
         ("deepseek_v3", 1, "large-steps"),
+        *_cpu_mla_cases(),
     ],
     ids=lambda p: "-".join([p[0], f"tp{p[1]}", *p[2:]]),
 )
@@ -224,6 +272,11 @@ def generator(request: pytest.FixtureRequest, tiny_model_dir: Any) -> Iterator[A
         specshim.configure(reset=True)  # read at construction; later ones get 0.3.0's
     scheduler = gen.vllm_config.scheduler_config
     expected = {"max_num_seqs": 32, "max_batched_tokens": 8192, **settings}
+    if name.endswith("_mla"):  # the real MLA path, not plain attention
+        assert gen.vllm_config.model_config.use_mla is True
+        # vLLM's CPU platform sets the step budget for its MLA backend itself:
+        # max(max_model_len, 2048) tokens (CpuPlatform.check_and_update_config).
+        expected["max_batched_tokens"] = CPU_MLA_STEP_TOKENS
     assert scheduler.max_num_seqs == expected["max_num_seqs"]
     assert scheduler.max_num_batched_tokens == max(
         expected["max_batched_tokens"], MAX_MODEL_LEN

@@ -140,6 +140,18 @@ def test_unknown_runner_and_unreadable_settings_are_refused():
     assert "no compilation mode or level to read" in found[0]
 
 
+def test_no_sequence_parallel_flag_is_fine_only_once_the_pass_is_gone(monkeypatch):
+    """vLLM 0.32 deleted the sequence-parallelism pass and its flag together."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    config = _config()
+    del config.compilation_config.pass_config.enable_sp
+    assert capture_contract._sequence_parallel_passes()  # this vLLM has the pass
+    found = capture_contract.violations(config, CPUModelRunner(), model)
+    assert "sequence_parallelism.py" in found[0], found
+    monkeypatch.setattr(capture_contract, "_sequence_parallel_passes", lambda: [])
+    assert capture_contract.violations(config, CPUModelRunner(), model) == []
+
+
 def test_float16_is_fine_without_a_rescaling_layer():
     for model in (nn.Sequential(nn.Linear(2, 2)), nn.Sequential(DeepseekLayer(1.0))):
         config = _config(model_config__dtype=torch.float16)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -566,3 +567,129 @@ def test_text_only_loading_needs_the_limit_parameter():
 
     with pytest.raises(Incompatible):
         text_only_loading.PATCH.probe(model_config)
+
+
+def test_cpu_mla_runs_only_where_vllm_can_prefill_this_width(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+
+    from specshim.patches.main import cpu_mla_disable
+
+    def checkpoint(name, config):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return tmp_path / name
+
+    wide = checkpoint("wide", {"kv_lora_rank": 512, "qk_rope_head_dim": 64})
+    narrow = checkpoint("narrow", {"kv_lora_rank": 32, "qk_rope_head_dim": 32})
+    kimi = checkpoint(
+        "kimi", {"text_config": {"kv_lora_rank": 512, "qk_rope_head_dim": 64}}
+    )
+    llama = checkpoint("llama", {"model_type": "llama"})
+    # This vLLM (0.16) has no CPU MLA: off for every model.
+    assert cpu_mla_disable.cpu_mla_runs(wide) == (
+        False,
+        "no MLA backend for CPU (vLLM < 0.28)",
+    )
+    real = importlib.util.find_spec
+    present = {"vllm.v1.attention.backends.mla.cpu_mla"}
+
+    def find_spec(name, *args):
+        return object() if name in present else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert (
+        cpu_mla_disable.cpu_mla_runs(wide)[1] == "no CPU prefill for MLA (vLLM < 0.29)"
+    )
+    present.add("vllm.v1.attention.backends.mla.prefill.cpu_sdpa")
+    assert cpu_mla_disable.cpu_mla_runs(wide)[0] is True
+    assert cpu_mla_disable.cpu_mla_runs(kimi)[0] is True
+    assert cpu_mla_disable.cpu_mla_runs(narrow) == (
+        False,
+        "MLA width 64; vLLM's CPU MLA takes 576",
+    )
+    assert cpu_mla_disable.cpu_mla_runs(llama)[0] is False
+    assert cpu_mla_disable.cpu_mla_runs(tmp_path / "missing")[0] is False
+
+    # Decided again for each generator; a value the user set is left alone.
+    monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
+    monkeypatch.setattr(cpu_mla_disable, "_ours", [])
+    cpu_mla_disable._before((None,), {"model_path": str(wide)})
+    assert os.environ["VLLM_MLA_DISABLE"] == "0"
+    cpu_mla_disable._before((None,), {"model_path": str(narrow)})
+    assert os.environ["VLLM_MLA_DISABLE"] == "1"
+    cpu_mla_disable._before((None,), {"model_path": str(wide)})
+    assert os.environ["VLLM_MLA_DISABLE"] == "0"
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "1")  # the user's
+    cpu_mla_disable._before((None,), {"model_path": str(wide)})
+    assert os.environ["VLLM_MLA_DISABLE"] == "1"
+
+
+class FakeExecutor027(FakeExecutor):
+    """vLLM 0.27: initialize_from_config no longer warms the workers up."""
+
+    def initialize_from_config(self, kv_cache_configs):
+        self.calls.append(("initialize_from_config", kv_cache_configs))
+        self.collective_rpc("initialize_from_config", args=(kv_cache_configs,))
+
+    def compile_or_warm_up_model(self):
+        self.calls.append(("compile_or_warm_up_model", None))
+
+
+def test_warm_up_follows_initialize_from_config_in_one_view():
+    from specshim.patches.main import warm_up_after_init
+
+    class FakeExecutor026(FakeExecutor):
+        def initialize_from_config(self, kv_cache_configs):
+            self.collective_rpc("compile_or_warm_up_model")
+
+    with pytest.raises(NotNeeded, match="warms the workers up itself"):
+        warm_up_after_init.PATCH.probe(FakeExecutor026)
+
+    class NoWarmUp(FakeExecutor):
+        def initialize_from_config(self, kv_cache_configs):
+            pass
+
+    with pytest.raises(Incompatible, match="compile_or_warm_up_model"):
+        warm_up_after_init.PATCH.probe(NoWarmUp)
+
+    make = FakeExecutor027
+    for module in (execute_then_sample, rpc_unique_reply, warm_up_after_init):
+        make = _applied(module, make)
+    assert make.__wrapped__ is FakeExecutor027  # three views, one proxy
+    executor = make(vllm_config=None)
+    executor.initialize_from_config(["kv"])
+    assert executor.calls == [
+        ("initialize_from_config", ["kv"]),
+        ("compile_or_warm_up_model", None),
+    ]
+    assert executor.execute_model("so") == "sampled"
+    executor.__wrapped__.initialize_from_config(["kv"])  # vLLM's own call: as is
+    assert executor.calls[-1] == ("initialize_from_config", ["kv"])
+
+
+def test_transformers_torch_annotation_only_where_torch_is_type_checking_only(
+    monkeypatch,
+):
+    import sys
+    import types
+
+    from specshim._base import TRANSFORMERS_CONFIG
+    from specshim.patches.deps import transformers_torch_annotation as patch
+
+    # transformers 4 (this environment) binds no such annotation.
+    with pytest.raises(NotNeeded, match="no PretrainedConfig annotation"):
+        patch.PATCH.probe(None)
+    fake = types.ModuleType(TRANSFORMERS_CONFIG)
+
+    class PretrainedConfig:
+        dtype: "str | torch.dtype | None"  # noqa: F821, UP037 - as transformers 5
+
+    fake.PretrainedConfig = PretrainedConfig
+    monkeypatch.setitem(sys.modules, TRANSFORMERS_CONFIG, fake)
+    patch.PATCH.probe(None)  # needed: torch named, not bound
+    assert patch.PATCH.build(None) is torch
+    with pytest.raises(NotNeeded, match="binds torch itself"):
+        patch.PATCH.probe(torch)
+    assert patch.PATCH.process == "main, worker"
+    assert patch.PATCH.module == TRANSFORMERS_CONFIG

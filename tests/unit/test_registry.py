@@ -284,7 +284,7 @@ def test_plugin_entry_point_arms_a_fresh_process():
     [
         ("0.23.0", "tested"),
         ("0.19.0+cpu", "tested"),  # another patch release of a tested line
-        ("0.24.0", "untested"),
+        ("0.33.0", "untested"),
         ("0.33.1rc1", "untested"),
         ("0.10.2", "older"),
         (None, "unknown"),
@@ -300,13 +300,13 @@ def test_an_untested_release_is_said_plainly_and_fails_check_only_when_strict(
 ):
     from specshim import _report, compat
 
-    monkeypatch.setattr(_versions, "installed_version", lambda package: "0.24.0")
+    monkeypatch.setattr(_versions, "installed_version", lambda package: "0.33.0")
     monkeypatch.delenv("SPECSHIM_STRICT", raising=False)
     check = compat._release()
-    assert check.ok and check.detail.startswith("UNTESTED. vLLM 0.24.0 is newer")
+    assert check.ok and check.detail.startswith("UNTESTED. vLLM 0.33.0 is newer")
     assert "applied: " in check.detail
     text = _report.format_report()
-    assert "release       UNTESTED: vLLM 0.24.0 is newer than the newest" in text
+    assert "release       UNTESTED: vLLM 0.33.0 is newer than the newest" in text
     assert "make test-matrix VERSIONS=<this release>" in text
     monkeypatch.setenv("SPECSHIM_STRICT", "1")
     assert not compat._release().ok
@@ -338,17 +338,39 @@ def test_a_stale_dist_info_alias_does_not_name_the_vllm_that_imports(tmp_path):
 
 
 def test_on_an_untested_release_the_probe_decides_unless_strict(monkeypatch):
-    """Claim vLLM 0.24 while 0.16's code runs: eagle3-gate's probe applies it
+    """Claim vLLM 0.33 while 0.16's code runs: eagle3-gate's probe applies it
     (0.16's DeepSeek lacks SupportsEagle3) where its history (<0.18) says
     'not needed'. check reports that and passes; strict, it fails."""
     from specshim import compat
 
     for name in compat.TARGET_MODULES:
         importlib.import_module(name)
-    monkeypatch.setattr(_versions, "installed_version", lambda package: "0.24.0")
+    monkeypatch.setattr(_versions, "installed_version", lambda package: "0.33.0")
     monkeypatch.delenv("SPECSHIM_STRICT", raising=False)
     (gate,) = [c for c in compat._patches() if c.name == "patch eagle3-gate"]
     assert gate.ok and "this release is untested, so the probe decides" in gate.detail
     monkeypatch.setenv("SPECSHIM_STRICT", "1")
     (gate,) = [c for c in compat._patches() if c.name == "patch eagle3-gate"]
     assert not gate.ok and "not where the patch's history puts it" in gate.detail
+
+
+@pytest.mark.parametrize(
+    ("installed", "refused"),
+    [("4.57.6", False), ("5.23.0", False), ("5.24.0", True), ("6.0.0rc1", True)],
+)
+def test_a_transformers_speculators_cannot_import_is_named(
+    monkeypatch, installed, refused
+):
+    from specshim import _report
+
+    real = _versions.installed_version
+    monkeypatch.setattr(
+        _versions,
+        "installed_version",
+        lambda package: installed if package == "transformers" else real(package),
+    )
+    advice = _versions.transformers_advice()
+    assert (advice is not None) is refused
+    if refused:
+        assert "install transformers<5.24" in advice
+        assert advice in _report.report()["advice"]

@@ -39,7 +39,11 @@ def _import_targets() -> list[Check]:
         try:
             importlib.import_module(name)
         except (SpecShimError, ImportError) as exc:
-            checks.append(Check(f"import {name}", False, str(exc)))
+            from specshim._versions import transformers_advice
+
+            hint = transformers_advice()
+            detail = f"{exc}" + (f" ({hint})" if hint else "")
+            checks.append(Check(f"import {name}", False, detail))
         else:
             checks.append(Check(f"import {name}", True, "imported, patches armed"))
     return checks

@@ -2,14 +2,17 @@
 
 ``main/`` holds patches to speculators' generator module (the process that builds
 the scheduler); ``worker/`` holds patches to its worker extension (inside every
-vLLM worker). The order below is the apply order; wrappers on the same target
-stack in this order. Removing a patch = deleting its file and its line here.
+vLLM worker); ``deps/`` holds what speculators needs of its dependencies before
+it can be imported (in every process). The order below is the apply order;
+wrappers on the same target stack in this order. Removing a patch = deleting
+its file and its line here.
 """
 
 from __future__ import annotations
 
 import importlib
 
+DEPS = ("transformers_torch_annotation",)
 MAIN = (
     "remote_code_gate",
     "remote_code_tokenizer",
@@ -17,6 +20,7 @@ MAIN = (
     "chunked_prefill_off",
     "async_scheduling_off",
     "prefix_caching_off",
+    "cpu_block_size",
     "cpu_mla_disable",
     "text_only_loading",
     "kv_cache_config_args",
@@ -25,6 +29,8 @@ MAIN = (
     "request_args",
     "execute_then_sample",
     "rpc_unique_reply",
+    "warm_up_after_init",
+    "kv_cache_layout",
     "generate_guard",
 )
 WORKER = (
@@ -38,11 +44,6 @@ WORKER = (
 
 # Rows of the drift table (docs/drift.md) that no patch answers, and why.
 UNPATCHED_DRIFT = {
-    19: "vLLM 0.24+ requires transformers 5, under which speculators 0.3.0 "
-    "cannot be imported; newer than the newest tested release.",
-    20: "vLLM 0.27: ``Executor.initialize_from_config`` no longer warms the "
-    "workers up; newer than the newest tested release.",
-    21: "vLLM 0.28: a CPU MLA backend; newer than the newest tested release.",
     23: "vLLM 0.17+: native hidden-state extraction (``extract_hidden_states``); "
     "another way to get the states, not a break.",
 }
@@ -50,6 +51,8 @@ UNPATCHED_DRIFT = {
 
 def load_all() -> None:
     """Import every patch file; each registers its patch on import."""
+    for name in DEPS:
+        importlib.import_module(f"specshim.patches.deps.{name}")
     for name in MAIN:
         importlib.import_module(f"specshim.patches.main.{name}")
     for name in WORKER:

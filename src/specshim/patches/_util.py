@@ -186,8 +186,10 @@ def require_callable(expected: str) -> Callable[[Any], None]:
 # them is the patch's record: the report, the README table and docs/drift.md
 # are made from it.
 HEADINGS = ("Why", "Upstream change", "Upstream PR", "Remove when")
-# Each folder of patches targets one of speculators' modules, in one process.
-_FOLDERS = {"main": GENERATOR, "worker": WORKER}
+# Each folder of patches targets one of speculators' modules, in one process;
+# deps/ patches speculators' dependencies (module given) in every process.
+_FOLDERS = {"main": GENERATOR, "worker": WORKER, "deps": None}
+_PROCESS = {"main": "main", "worker": "worker", "deps": "main, worker"}
 
 
 def headings(doc: str | None, where: str) -> dict[str, str]:
@@ -227,22 +229,26 @@ def declare(
     optional: bool = False,
     replaces: bool = False,
     platform: str = "",
+    module: str | None = None,
 ) -> Patch:
     """Register the patch of the file ``file`` (its ``__name__``).
 
     The process and target module follow from the folder (``main`` or
-    ``worker``); why, upstream change, upstream PR and remove-when come from
-    the docstring's headings. Everything else is said here, once.
+    ``worker``; a ``deps`` patch names its ``module`` and runs in every
+    process); why, upstream change, upstream PR and remove-when come from the
+    docstring's headings. Everything else is said here, once.
     """
     folder = file.rsplit(".", 2)[-2]
     if folder not in _FOLDERS:
         raise SpecShimError(f"{file}: patch files live in {sorted(_FOLDERS)}")
+    if (module is None) != (_FOLDERS[folder] is not None):
+        raise SpecShimError(f"{file}: only a deps/ patch names its module")
     text = headings(doc, file)
     return register(
         Patch(
             id=id,
-            process=folder,
-            module=_FOLDERS[folder],
+            process=_PROCESS[folder],
+            module=module or _FOLDERS[folder],
             attribute=attribute,
             package=package,
             versions=versions,

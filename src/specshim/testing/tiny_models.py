@@ -228,9 +228,10 @@ def moonvit_weight_shapes(vision: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
     """A tiny Kimi-K2.5 whose text weights equal ``build_deepseek_v3(seed)``'s."""
     import shutil
+    import tempfile
 
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from specshim.testing import kimi_k25_code
@@ -239,9 +240,16 @@ def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     text_config = deepseek_v3_config(**text_overrides)
     text = _init_model(DeepseekV3Config(**text_config), DeepseekV3ForCausalLM, seed)
+    # The text weights as a checkpoint holds them: save_pretrained's names
+    # (transformers 5 keeps MoE experts fused in memory and writes them per
+    # expert), not the in-memory state_dict's.
+    with tempfile.TemporaryDirectory() as scratch:
+        text.save_pretrained(scratch, safe_serialization=True)
+        saved = {}
+        for shard in sorted(Path(scratch).glob("*.safetensors")):
+            saved.update(load_file(str(shard)))
     tensors = {
-        f"language_model.{name}": tensor.contiguous()
-        for name, tensor in text.state_dict().items()
+        f"language_model.{name}": tensor.contiguous() for name, tensor in saved.items()
     }
     generator = torch.Generator().manual_seed(seed + 1)
     for name, shape in moonvit_weight_shapes(KIMI_VISION_CONFIG).items():
@@ -271,6 +279,21 @@ def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
         "image_processor_type": "TinyKimiK25ImageProcessor",
         "patch_size": KIMI_VISION_CONFIG["patch_size"],
         "merge_kernel_size": KIMI_VISION_CONFIG["merge_kernel_size"],
+        # What vLLM 0.25+ builds its own (fused) Kimi-K2.5 processor from, as
+        # the real checkpoint's preprocessor_config.json carries it; limits
+        # sized for the tiny MoonViT.
+        "media_proc_cfg": {
+            "patch_size": KIMI_VISION_CONFIG["patch_size"],
+            "merge_kernel_size": KIMI_VISION_CONFIG["merge_kernel_size"][0],
+            "temporal_merge_kernel_size": 4,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "in_patch_limit": 64,
+            "in_patch_limit_each_frame": 64,
+            "in_patch_limit_video": None,
+            "patch_limit_on_one_side": 8,
+            "fixed_output_tokens": None,
+        },
     }
     (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     code = Path(kimi_k25_code.__file__).parent
@@ -279,9 +302,27 @@ def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
     return path
 
 
+# The latent width vLLM's CPU MLA kernels take (kv_lora_rank + qk_rope_head_dim
+# = 512 + 64, as in DeepSeek-V3 and Kimi-K2.5); the small fixtures above (64)
+# run with plain attention. These two run vLLM's real MLA path on its CPU
+# backend where it has one.
+MLA_WIDTH = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+
+def build_deepseek_v3_mla(path: Path, seed: int = 0) -> Path:
+    return build_deepseek_v3(path, seed, **MLA_WIDTH)
+
+
+def build_kimi_k25_mla(path: Path, seed: int = 0) -> Path:
+    """Its text weights equal ``build_deepseek_v3_mla(seed)``'s."""
+    return build_kimi_k25(path, seed, **MLA_WIDTH)
+
+
 BUILDERS: dict[str, Callable[..., Path]] = {
     "llama": build_llama,
     "qwen2": build_qwen2,
     "deepseek_v3": build_deepseek_v3,
     "kimi_k25": build_kimi_k25,
+    "deepseek_v3_mla": build_deepseek_v3_mla,
+    "kimi_k25_mla": build_kimi_k25_mla,
 }

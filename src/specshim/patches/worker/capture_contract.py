@@ -20,6 +20,7 @@ Why:
 Upstream change:
     None by itself: vLLM 0.12 and later default compilation, CUDA graphs and
     async scheduling on for GPU engines; ``enforce_eager`` turns them off.
+    vLLM 0.32 deleted the sequence-parallelism pass with its flag.
 Upstream PR:
     none: not an upstream change.
 Remove when:
@@ -130,13 +131,32 @@ def _cuda_graphs(vllm_config: Any) -> str | None:
 
 
 def _sequence_parallel(passes: Any) -> str | None:
-    # "enable_sp" from vLLM 0.12, "enable_sequence_parallelism" before 0.13.
+    # "enable_sp" from vLLM 0.12, "enable_sequence_parallelism" before 0.13;
+    # vLLM 0.32 deleted the pass and its flag.
     flags = [
         f for f in ("enable_sp", "enable_sequence_parallelism") if hasattr(passes, f)
     ]
     if not flags:
-        return "no sequence-parallelism flag to read"
+        passes_left = _sequence_parallel_passes()
+        if passes_left:
+            return (
+                f"no sequence-parallelism flag to read (the pass is {passes_left[0]})"
+            )
+        return None  # no flag and no pass: vLLM has no sequence parallelism
     return "sequence parallelism on" if any(getattr(passes, f) for f in flags) else None
+
+
+def _sequence_parallel_passes() -> list[str]:
+    """vLLM's sequence-parallelism compile pass files, wherever they live."""
+    from pathlib import Path
+
+    import vllm.compilation
+
+    root = Path(vllm.compilation.__file__).parent
+    return sorted(
+        str(p.relative_to(root.parent.parent))
+        for p in root.rglob("*sequence_parallel*.py")
+    )
 
 
 def _micro_batching(parallel: Any) -> str | None:
@@ -195,4 +215,5 @@ PATCH = declare(
         "HiddenStatesWorkerExtension._setup_hidden_states_capture(layer_ids)"
     ),
     build=_build,
+    drift_rows=(25,),
 )
