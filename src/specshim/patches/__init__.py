@@ -27,6 +27,8 @@ MAIN = (
     "cpu_kv_cache_space",
     "scheduler_block_size",
     "request_args",
+    "finished_requests_delivered",
+    "worker_start_method",
     "execute_then_sample",
     "rpc_unique_reply",
     "warm_up_after_init",

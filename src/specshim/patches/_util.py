@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import wrapt
@@ -27,6 +29,7 @@ __all__ = [
     "parameters",
     "require_callable",
     "required",
+    "scoped_environ",
     "signature_text",
     "upstream",
     "wrap_call",
@@ -170,6 +173,22 @@ def wrap_call(
 
     call.__specshim__ = True  # type: ignore[attr-defined]
     return call
+
+
+@contextlib.contextmanager
+def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for vLLM inside the block, then restore them
+    (a variable that was unset is unset again, whatever vLLM set meanwhile)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def require_callable(expected: str) -> Callable[[Any], None]:
