@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,5 +26,20 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
         if name not in built:
             built[name] = BUILDERS[name](root / name)
         return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> Any:
+    from specshim.testing.reference import HFReference
+
+    cache: dict[str, HFReference] = {}
+
+    def get(path: Any) -> HFReference:
+        key = str(path)
+        if key not in cache:
+            cache[key] = HFReference(key)
+        return cache[key]
 
     return get

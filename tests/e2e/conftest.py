@@ -219,40 +219,38 @@ def _known_upstream_cpu_defects(request: pytest.FixtureRequest) -> None:
         request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
 
 
-@pytest.fixture(scope="session")
-def hf_reference() -> Any:
-    from specshim.testing.reference import HFReference
+GENERATOR_CASES = [
+    ("llama", 1),
+    ("qwen2", 1),
+    ("deepseek_v3", 1),
+    ("kimi_k25", 1),
+    pytest.param(("llama", 2), marks=pytest.mark.tp2),
+    pytest.param(("qwen2", 2), marks=pytest.mark.tp2),
+    pytest.param(("deepseek_v3", 2), marks=pytest.mark.tp2),
+    pytest.param(("kimi_k25", 2), marks=pytest.mark.tp2),
+    ("llama", 1, "small-steps"),
+    ("deepseek_v3", 1, "small-steps"),
+    ("llama", 1, "large-steps"),
+    ("deepseek_v3", 1, "large-steps"),
+]
 
-    cache: dict[str, HFReference] = {}
 
-    def get(path: Any) -> HFReference:
-        key = str(path)
-        if key not in cache:
-            cache[key] = HFReference(key)
-        return cache[key]
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # Here rather than in the fixture's params, so that collecting these
+    # cases imports no vLLM until this directory's tests are collected (the
+    # GPU tier reuses the case functions and must import vLLM as late as a
+    # user's script does).
+    if "generator" in metafunc.fixturenames:
+        metafunc.parametrize(
+            "generator",
+            [*GENERATOR_CASES, *_cpu_mla_cases()],
+            indirect=True,
+            scope="module",
+            ids=lambda p: "-".join([p[0], f"tp{p[1]}", *p[2:]]),
+        )
 
-    return get
 
-
-@pytest.fixture(
-    scope="module",
-    params=[
-        ("llama", 1),
-        ("qwen2", 1),
-        ("deepseek_v3", 1),
-        ("kimi_k25", 1),
-        pytest.param(("llama", 2), marks=pytest.mark.tp2),
-        pytest.param(("qwen2", 2), marks=pytest.mark.tp2),
-        pytest.param(("deepseek_v3", 2), marks=pytest.mark.tp2),
-        pytest.param(("kimi_k25", 2), marks=pytest.mark.tp2),
-        ("llama", 1, "small-steps"),
-        ("deepseek_v3", 1, "small-steps"),
-        ("llama", 1, "large-steps"),
-        ("deepseek_v3", 1, "large-steps"),
-        *_cpu_mla_cases(),
-    ],
-    ids=lambda p: "-".join([p[0], f"tp{p[1]}", *p[2:]]),
-)
+@pytest.fixture(scope="module")
 def generator(request: pytest.FixtureRequest, tiny_model_dir: Any) -> Iterator[Any]:
     import specshim
 

@@ -156,3 +156,17 @@ def test_padded_forwards_are_refused(generator):
         generator.executor.collective_rpc(pad_steps, args=(0,))
     again = generator.generate(batch)
     assert [len(r["hidden_states"][0]) for r in again] == list(map(len, batch))
+
+
+def test_workers_free_every_finished_request(generator):
+    """Each call's last step is never sent to the workers, so its requests'
+    ids must reach them with the next call: vLLM's V2 GPU runner has only
+    max_num_seqs request slots ("No free indices"), and the V1 runner would
+    keep their state for good."""
+    from specshim.testing.worker_probes import live_requests
+
+    rng = random.Random(11)
+    for _ in range(4):  # 20 sequences fit one step: all of them are its last
+        generator.generate(_seqs(rng, 20, 1, 8))
+    held = generator.executor.collective_rpc(live_requests)
+    assert max(held) <= 20, f"workers still hold {held} finished requests"

@@ -109,3 +109,38 @@ def pad_steps(worker: Any, rows: int) -> None:
     model._specshim_test_padding = model.register_forward_pre_hook(
         pad, with_kwargs=True
     )
+
+
+def backends(worker: Any) -> dict[str, Any]:
+    """What this worker runs: its model runner, and the attention and MoE
+    implementations its layers chose (the GPU tier reports them)."""
+    runner = worker.model_runner
+    attention: set[str] = set()
+    moe: set[str] = set()
+    for module in runner.model.modules():
+        backend = getattr(module, "attn_backend", None)
+        if backend is not None and hasattr(backend, "get_name"):
+            attention.add(str(backend.get_name()))
+        if type(module).__name__.endswith("FusedMoE"):
+            method = getattr(module, "quant_method", None)
+            kernel = getattr(method, "moe_kernel", None) or getattr(
+                method, "fused_experts", None
+            )
+            moe.add(
+                type(method).__name__
+                + (f"/{type(kernel).__name__}" if kernel is not None else "")
+            )
+    return {
+        "runner": f"{type(runner).__module__}.{type(runner).__qualname__}",
+        "attention": sorted(attention),
+        "moe": sorted(moe),
+    }
+
+
+def live_requests(worker: Any) -> int:
+    """Requests the model runner still holds state for (V1 and V2 runners)."""
+    runner = worker.model_runner
+    states = getattr(runner, "req_states", None)
+    if states is not None:  # the V2 runner: a fixed pool of request slots
+        return int(states.num_reqs)
+    return len(runner.requests)
