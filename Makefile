@@ -8,7 +8,7 @@ UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.specshim-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit test-e2e test-matrix bench bench-extract demo doctor lint clean
+.PHONY: setup test test-unit test-e2e test-gpu test-matrix bench bench-extract demo doctor lint clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,20 @@ test-unit: setup
 
 test-e2e: setup
 	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
+
+# The GPU tier (tests/gpu) on vLLM's CUDA build, in .venv-gpu; needs an NVIDIA
+# GPU and the registries. It unsets nothing for you: run it as a user would,
+# without VLLM_WORKER_MULTIPROC_METHOD, VLLM_USE_V2_MODEL_RUNNER or
+# PYTORCH_NVML_BASED_CUDA_CHECK (it refuses to run under them). On a host
+# that reaches no registry, run `python3 -m pytest tests/gpu` in the bundle
+# of ../shared/gpu/README.md instead.
+GPU_VENV := .venv-gpu
+test-gpu:
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q uv
+	$(GPU_VENV)/bin/uv pip install --python $(GPU_VENV)/bin/python \
+		-r requirements/gpu-stack.txt -e .
+	$(GPU_VENV)/bin/python -m pytest tests/gpu -p timeout --timeout 900 $(PYTEST_ARGS)
 
 # One environment per vLLM release (.venv-vllm<ver>): every release specshim
 # calls tested (specshim._versions.TESTED_VLLM), or VERSIONS=0.11.0,0.16.0 for
@@ -64,4 +78,4 @@ lint: setup
 	$(VENV)/bin/ruff format --check src tests matrix benchmarks
 
 clean:
-	rm -rf $(VENV) .venv-vllm* .venv-bench-* .pytest_cache matrix/results/*.log benchmarks/.cache
+	rm -rf $(VENV) $(GPU_VENV) .venv-vllm* .venv-bench-* .pytest_cache matrix/results/*.log benchmarks/.cache
