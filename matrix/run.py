@@ -19,7 +19,9 @@ release, the PyPI torch and the transformers it pins
 A version whose stack cannot be installed is reported with the reason and
 fails the run. Results go to ``matrix/results/matrix.json``; ``--write-readme``
 renders the patch x version table into the README, ``--check-readme`` fails if
-the README's table disagrees with what this run observed.
+the README's table disagrees with what this run observed. ``--states-only``
+installs each release and records only which patches apply (a patch added
+since the last full run), keeping that run's test results, marked older.
 
 Usage: python matrix/run.py [--versions 0.11.0,0.16.0] [--write-readme README.md]
 """
@@ -199,7 +201,9 @@ def _summary(log: Path) -> str:
     return _tail(log, 3)
 
 
-def run_version(version: str, out_dir: Path, e2e: bool = True) -> dict:
+def run_version(
+    version: str, out_dir: Path, e2e: bool = True, tiers: bool = True
+) -> dict:
     venv = ROOT / f".venv-vllm{version}"
     log = out_dir / f"vllm-{version}.log"
     log.write_text("")
@@ -239,6 +243,11 @@ def run_version(version: str, out_dir: Path, e2e: bool = True) -> dict:
         result["error"] = f"doctor failed: {doctor.stderr[-1500:]}"
         return result
 
+    if not tiers:
+        result["ok"] = True
+        result["total_s"] = round(time.monotonic() - started, 1)
+        _log(f"{version}: states recorded (--states-only: no test tier run)")
+        return result
     pytest = [python, "-m", "pytest", "-p", "no:cacheprovider", "-q"]
     t = time.monotonic()
     _log(f"{version}: contract tier")
@@ -310,9 +319,18 @@ def compat_table(results: list[dict]) -> str:
         rows.append(f"| `{patch}` | " + " | ".join(cells) + " |")
     rows.append(
         "| *tests: contract; e2e* | "
-        + " | ".join(f"{_counts(r['contract'])}; {_counts(r['e2e'])}" for r in ok)
+        + " | ".join(
+            f"{_counts(r['contract'])}; {_counts(r['e2e'])}"
+            + (" †" if r.get("states_after_tiers") else "")
+            for r in ok
+        )
         + " |"
     )
+    if any(r.get("states_after_tiers") for r in ok):
+        rows.append(
+            "\n† the tiers ran before these states were recorded "
+            "(`--states-only`: patches added since); `make test-matrix` reruns them."
+        )
     return "\n".join(rows)
 
 
@@ -332,6 +350,22 @@ def _table_states(readme: str) -> dict[str, dict[str, str]]:
     return states
 
 
+def _with_earlier_tiers(result: dict, earlier: dict | None) -> dict:
+    """A states-only result, with the test results of the release's last run
+    (marked older when the states changed since)."""
+    if not earlier or "contract" not in earlier or "states" not in result:
+        result["ok"] = False
+        result.setdefault("error", "no earlier full run to keep the tiers of")
+        return result
+    for key in ("contract", "contract_s", "e2e", "e2e_s", "ld_preload"):
+        if key in earlier:
+            result[key] = earlier[key]
+    result["states_after_tiers"] = earlier.get("states_after_tiers", False) or (
+        earlier.get("states") != result["states"]
+    )
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--versions", default=",".join(VERSIONS))
@@ -343,18 +377,28 @@ def main() -> int:
         help="run the end-to-end tier for these releases only (default: all); "
         "CI skips it for the release `make test` already covers",
     )
+    parser.add_argument(
+        "--states-only",
+        action="store_true",
+        help="install each release and record which patches apply (specshim "
+        "doctor), keeping the test results of its last full run, marked as older",
+    )
     args = parser.parse_args()
     versions = [v.strip() for v in args.versions.split(",") if v.strip()]
     e2e = set(versions if args.e2e is None else args.e2e.split(","))
     out_dir = ROOT / "matrix" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    results = [run_version(v, out_dir, e2e=v in e2e) for v in versions]
+    tiers = not args.states_only
+    results = [run_version(v, out_dir, e2e=v in e2e, tiers=tiers) for v in versions]
     failed = [r["version"] for r in results if not r["ok"]]
     # Keep the latest recorded result of every version not run this time, so a
     # partial rerun (--versions 0.15.1) updates its column of the table only.
     recorded = out_dir / "matrix.json"
     merged = {r["version"]: r for r in _load(recorded)}
+    if not tiers:
+        results = [_with_earlier_tiers(r, merged.get(r["version"])) for r in results]
+        failed += [r["version"] for r in results if "contract" not in r]
     merged.update({r["version"]: r for r in results})
     results = sorted(merged.values(), key=lambda r: _release_key(r["version"]))
     recorded.write_text(json.dumps(results, indent=2) + "\n")
@@ -364,7 +408,7 @@ def main() -> int:
             for r in results
             if not r["ok"] and r["version"] not in versions
         ]
-    if args.write_readme and e2e != set(versions):
+    if args.write_readme and tiers and e2e != set(versions):
         failed.append("--write-readme needs the end-to-end tier on every release")
     if args.write_readme and not failed:
         path = Path(args.write_readme)
