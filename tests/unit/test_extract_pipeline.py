@@ -210,7 +210,11 @@ def _feed_spec(tmp_path: Path, model: Path) -> _feed.FeedSpec:
 
 def test_a_dead_feed_process_is_an_error(tmp_path, tiny_model_dir):
     feed = _feed.Feed(_feed_spec(tmp_path, tiny_model_dir("llama")))
-    feed.process = type(feed.process)(target=_exit_hard, daemon=True)
+    # Like the real feed, the process holds the pipe's write end until it dies
+    # (without it the pipe ends at once, while the process is still starting).
+    feed.process = type(feed.process)(
+        target=_exit_hard, args=(feed._send,), daemon=True
+    )
     feed.start()
     with pytest.raises(SpecShimError, match=r"specshim-feed\) died \(exit code 3\)"):
         list(feed)
@@ -236,7 +240,7 @@ def test_a_feed_killed_halfway_through_a_message_is_an_error_not_a_hang(
     feed.close()
 
 
-def _exit_hard() -> None:
+def _exit_hard(out) -> None:
     import os
 
     os._exit(3)
@@ -270,3 +274,4 @@ def test_shard_auto_from_slurm_and_kubernetes_covers_the_dataset(
     capsys.readouterr()
     assert main(["status", "--out", str(out)]) == 0
     assert "shard 0/2: 4 of 4 samples" in capsys.readouterr().out
+
