@@ -32,6 +32,7 @@ class Sample:
     index: int  # position in the dataset: sample i is written to data_{i}.pt
     input_ids: list[int]
     loss_mask: list[int]
+    truncated: bool = False  # cut to max_len tokens
 
 
 # Files read through the ``datasets`` library, by suffix (a directory is a
@@ -322,7 +323,7 @@ class Tokenizing:
             )
         if len(ids) > max_len:
             self.truncated += 1
-            ids, mask = ids[:max_len], mask[:max_len]
+            return Sample(record.index, ids[:max_len], mask[:max_len], True)
         return Sample(record.index, ids, mask)
 
     def _encode_chat(self, where: str, turns: Any) -> tuple[list[int], list[int]]:

@@ -248,6 +248,7 @@ def save_sample(run: _store.Run, todo: Todo, result: dict[str, Any]) -> int:
             inode=stat.st_ino,
             mtime_ns=stat.st_mtime_ns,
             num_tokens=len(todo),
+            truncated=todo.truncated,
         )
     )
     os.replace(tmp, final)

@@ -69,6 +69,7 @@ class Todo:
     tokens: str  # token_digest of (input_ids, loss_mask)
     input_ids: array  # array('i')
     loss_mask: array  # array('b')
+    truncated: bool = False  # cut to max_len tokens
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -81,9 +82,9 @@ class _Known:
     of these): the two digests as bytes and the file's identity.
     """
 
-    def __init__(self, out: Path, shard: tuple[int, int]) -> None:
+    def __init__(self, out: Path, shard: tuple[int, int], max_len: int) -> None:
         index, count = shard
-        self.entries: dict[int, list[tuple[bytes, bytes, int, int, int]]] = {}
+        self.entries: dict[int, list[tuple[bytes, bytes, int, int, int, bool]]] = {}
         for entry in _store.manifest_lines(out):
             if entry.index % count == index:
                 self.entries.setdefault(entry.index, []).append(
@@ -93,22 +94,24 @@ class _Known:
                         entry.size,
                         entry.inode,
                         entry.mtime_ns,
+                        entry.was_truncated(max_len),
                     )
                 )
         self.out = out
 
-    def proven(self, index: int) -> tuple[bool, tuple[bytes, bytes] | None]:
-        """(a file exists, the digests of the entry that describes it or None)."""
+    def proven(self, index: int) -> tuple[bool, tuple[bytes, bytes, bool] | None]:
+        """(a file exists, the entry that describes it or None: its two digests
+        and whether its sample was truncated)."""
         try:
             stat = _store.final_path(self.out, index).stat()
         except FileNotFoundError:
             return False, None
         # The last entry that describes the file wins, as in ``_store``.
-        for tokens, record, size, inode, mtime_ns in reversed(
+        for tokens, record, size, inode, mtime_ns, truncated in reversed(
             self.entries.get(index, ())
         ):
             if (size, inode, mtime_ns) == (stat.st_size, stat.st_ino, stat.st_mtime_ns):
-                return True, (tokens, record)
+                return True, (tokens, record, truncated)
         return True, None
 
 
@@ -137,11 +140,13 @@ def _feed(spec: FeedSpec, out: Any) -> None:
     try:
         if spec.trust_remote_code:
             _settings.configure(trust_remote_code=True)
-        known = _Known(spec.out, spec.shard)
+        known = _Known(spec.out, spec.shard, spec.max_len)
         stream = RecordStream(spec.data, spec.shard, spec.split, spec.column)
         tokenizing = Tokenizing(spec.model)
         chunk: list[Todo] = []
-        done = tokens = samples = 0
+        # Samples cut to max_len, whichever run wrote them: tokenized now, or
+        # already done (the manifest says whether they were cut).
+        done = tokens = samples = truncated = 0
         rewrites: dict[str, int] = {}
         sent = time.monotonic()
         for record in stream:
@@ -149,8 +154,10 @@ def _feed(spec: FeedSpec, out: Any) -> None:
             exists, proven = known.proven(record.index)
             if proven is not None and proven[1] == bytes.fromhex(record.digest):
                 done += 1  # the same record: no need to tokenize it again
+                truncated += proven[2]
             else:
                 sample = tokenizing.sample(record, spec.vocab_size, spec.max_len)
+                truncated += sample.truncated
                 digest = _store.token_digest(sample.input_ids, sample.loss_mask)
                 if proven is not None and proven[0] == bytes.fromhex(digest):
                     done += 1  # another record, the same tokens
@@ -167,6 +174,7 @@ def _feed(spec: FeedSpec, out: Any) -> None:
                             digest,
                             array("i", sample.input_ids),
                             array("b", sample.loss_mask),
+                            sample.truncated,
                         )
                     )
                     tokens += len(sample.input_ids)
@@ -179,7 +187,7 @@ def _feed(spec: FeedSpec, out: Any) -> None:
                 put(("chunk", chunk, done, rewrites))
                 chunk, done, tokens, rewrites, sent = [], 0, 0, {}, now
         put(("chunk", chunk, done, rewrites))
-        put(("end", stream.total, samples, tokenizing.truncated))
+        put(("end", stream.total, samples, truncated))
     except UsageError as exc:
         put(("usage", str(exc)))
     except BaseException:  # noqa: BLE001 - reported to the main process

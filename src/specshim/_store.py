@@ -82,6 +82,15 @@ class Entry:
     inode: int
     mtime_ns: int
     num_tokens: int
+    # Cut to max_model_len - 1 tokens; None in manifests written before this
+    # was recorded (7 fields), where ``was_truncated`` infers it.
+    truncated: bool | None = None
+
+    def was_truncated(self, max_len: int) -> bool:
+        """Whether the sample was cut (older entries: it holds max_len tokens)."""
+        if self.truncated is None:
+            return self.num_tokens >= max_len
+        return self.truncated
 
     def describes(self, stat: os.stat_result) -> bool:
         return (self.size, self.inode, self.mtime_ns) == (
@@ -243,6 +252,7 @@ class Run:
                 entry.inode,
                 entry.mtime_ns,
                 entry.num_tokens,
+                entry.truncated,
             ]
         )
         with self._lock:
@@ -303,7 +313,7 @@ def manifests(out: Path) -> Iterator[tuple[dict[str, Any], list[Entry]]]:
                     continue  # a run killed mid-line
                 if isinstance(fields, dict):
                     header.update(fields)
-                elif isinstance(fields, list) and len(fields) == 7:
+                elif isinstance(fields, list) and len(fields) in (7, 8):
                     entries.append(Entry(*fields))
         yield header, entries
 

@@ -275,3 +275,20 @@ def test_shard_auto_from_slurm_and_kubernetes_covers_the_dataset(
     assert main(["status", "--out", str(out)]) == 0
     assert "shard 0/2: 4 of 4 samples" in capsys.readouterr().out
 
+
+def test_a_resumed_run_still_counts_the_samples_an_earlier_run_truncated(
+    tmp_path, tiny_model_dir, fake, caplog
+):
+    model = tiny_model_dir("llama")
+    long, short = list(range(1, 20)), [1, 2, 3]  # max_model_len 8: 7 tokens kept
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": i} for i in (long, short, long)])
+    out = tmp_path / "out"
+    extract(_options(model, data, out, max_model_len=8))
+    caplog.clear()
+    # The resumed run tokenizes only the new record; the two long samples it
+    # skips were truncated by the first run and are in the output all the same.
+    _jsonl(data, [{"input_ids": ids} for ids in (long, short, long, short)])
+    with caplog.at_level("WARNING", logger="specshim"):
+        counts = extract(_options(model, data, out, max_model_len=8))
+    assert counts["skipped"] == 3 and counts["written"] == 1
+    assert "2 of 4 samples are longer than max_model_len - 1 = 7" in caplog.text
