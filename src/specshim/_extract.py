@@ -78,6 +78,9 @@ class ExtractOptions:
     max_num_seqs: int | None = None
     max_batched_tokens: int | None = None
     cache_memory_fraction: float | None = None
+    # Files of samples the dataset no longer has: moved to .specshim/orphans/
+    # if True, else the run ends with an error naming them.
+    move_orphans: bool = False
     # vLLM's CPU KV-cache space in GiB, on a host without an accelerator;
     # None: VLLM_CPU_KVCACHE_SPACE if set, else what the job needs (cpu_kv_space).
     cpu_kv_space_gib: int | None = None
@@ -443,6 +446,7 @@ def _extract(options: ExtractOptions) -> dict[str, Any]:
         counts = pipeline.run(feed)
         run.annotate({"dataset_samples": feed.total, "finished": time.time()})
         warn_truncated(feed.truncated, feed.samples, options.max_model_len - 1)
+        _handle_orphans(options, feed.total, run.id)
         for why, count in feed.rewrites.items():
             logger.warning("extract: rewrote %d file(s): %s", count, why)
         if not counts["written"]:
@@ -459,6 +463,33 @@ def _extract(options: ExtractOptions) -> dict[str, Any]:
         if feed is not None:
             feed.close()
         run.close()
+
+
+def _handle_orphans(options: ExtractOptions, total: int, run: str) -> None:
+    """Files past the dataset's end are moved aside (``--move-orphans``) or
+    refused: speculators' trainer would read them as training data."""
+    found = _store.orphans(_store.existing_files(options.out), total)
+    if not found:
+        return
+    names = ", ".join(f"data_{i}.pt" for i in found[:3]) + (
+        " ..." if len(found) > 3 else ""
+    )
+    if options.move_orphans:
+        folder = _store.move_orphans(options.out, found, run)
+        logger.warning(
+            "extract: moved %d file(s) of samples %s does not have (%s) to %s",
+            len(found),
+            options.data,
+            names,
+            folder,
+        )
+        return
+    raise UsageError(
+        f"{options.out} holds {len(found)} file(s) of samples {options.data} does "
+        f"not have ({names}; it has {total} samples), which speculators' trainer "
+        "would read; every sample of the dataset is written. Rerun with "
+        "--move-orphans to move them to .specshim/orphans/, or delete them"
+    )
 
 
 class _Pipeline:

@@ -39,6 +39,7 @@ class Status:
     tokens: int = 0
     unproven: list[int] = field(default_factory=list)  # files no line describes
     missing: list[int] = field(default_factory=list)  # samples without a file
+    orphans: list[int] = field(default_factory=list)  # files of no sample
     bytes: int = 0
     runs: list[RunSummary] = field(default_factory=list)
     per_shard: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -49,6 +50,7 @@ class Status:
             self.total is not None
             and not self.missing
             and not self.unproven
+            and not self.orphans
             and self.done == self.total
         )
 
@@ -76,7 +78,8 @@ def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
             stamp = entry.mtime_ns / 1e9
             summary.first = min(summary.first or stamp, stamp)
             summary.last = max(summary.last, stamp)
-        sizes.append(header.get("dataset_samples"))
+        if (size := header.get("dataset_samples")) is not None:
+            sizes.append((float(header.get("finished") or 0), int(size)))
         runs.append(summary)
     total = None
     if data is not None:
@@ -86,14 +89,19 @@ def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
         for _ in stream:  # counted, not kept
             pass
         total = stream.total
-    elif len({s for s in sizes if s is not None}) == 1:
-        # Every run that finished reading the dataset saw the same size.
-        total = int(next(s for s in sizes if s is not None))
+    elif sizes:
+        # The dataset as the run that finished reading it last saw it (a
+        # rerun on a shorter dataset: the files past its end are orphans).
+        total = max(sizes)[1]
     status = Status(total=total, runs=runs)
+    settled = data is not None or not any(run.live for run in runs)
+    if total is not None and settled:  # a file no sample owns is no sample done
+        status.orphans = _store.orphans(files, total)
+        proven = {i: e for i, e in proven.items() if i < total}
     status.done = len(proven)
     status.tokens = sum(e.num_tokens for e in proven.values())
     status.bytes = sum(stat.st_size for stat in files.values())
-    status.unproven = sorted(set(files) - set(proven))
+    status.unproven = sorted(set(files) - set(proven) - set(status.orphans))
     if total is not None:
         status.missing = [i for i in range(total) if i not in files]
     shards = {r.shard for r in runs if r.shard}
@@ -117,6 +125,12 @@ def render(status: Status, out: Path) -> list[str]:
         lines.append("  dataset size unknown: give --data to count what is missing")
     else:
         lines.append(f"  missing: {len(status.missing)} samples" + _few(status.missing))
+    if status.orphans:
+        lines.append(
+            f"  files of samples the dataset does not have (speculators' trainer "
+            f"reads them; `extract --move-orphans` moves them aside): "
+            f"{len(status.orphans)}" + _few(status.orphans)
+        )
     if status.unproven:
         lines.append(
             f"  not proven by any manifest (a rerun rewrites them): "

@@ -297,6 +297,24 @@ def existing_files(
     return found
 
 
+def orphans(files: dict[int, os.stat_result], total: int) -> list[int]:
+    """Indices of ``data_{i}.pt`` files that no sample of a ``total``-sample
+    dataset owns (left by a run on a longer dataset). speculators' trainer
+    reads every ``.pt`` in the directory, so they would be trained on."""
+    return sorted(index for index in files if index >= total)
+
+
+def move_orphans(out: Path, indices: list[int], run: str) -> Path:
+    """Move those files to ``.specshim/orphans/{run}/``, out of the trainer's
+    sight; returns the folder. A file another shard moved first is skipped."""
+    folder = out / META / "orphans" / run
+    folder.mkdir(parents=True, exist_ok=True)
+    for index in indices:
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(final_path(out, index), folder / final_path(out, index).name)
+    return folder
+
+
 def manifests(out: Path) -> Iterator[tuple[dict[str, Any], list[Entry]]]:
     """Each run's manifest: its header and its entries (a torn line is skipped)."""
     folder = out / META / "manifest"

@@ -165,7 +165,7 @@ def verify_all(
     tokenizing = Tokenizing(model)
     max_len = config["max_model_len"] - 1
     files = dict(written_files(out))
-    lines, bad, count = [], 0, 0
+    lines, bad, count = [], 0, 0  # bad: samples missing or wrong
     for record in stream:
         sample = tokenizing.sample(record, vocab_size, max_len)
         count += 1
@@ -178,14 +178,16 @@ def verify_all(
         if why:
             lines.append(f"  BAD {path.name}: {why}")
             bad += 1
-    for index, path in sorted(files.items()):
-        lines.append(f"  BAD {path.name}: the dataset has no sample {index}")
-        bad += 1
+    for index, path in sorted(files.items()):  # what is left: no sample's file
+        lines.append(f"  ORPHAN {path.name}: the dataset has no sample {index}")
     warn_truncated(tokenizing.truncated, count, max_len)
     head = f"verify --all: {stream.total} samples in {data}, {count - bad} good"
-    lines.insert(0, head + (f", {bad} bad or missing" if bad else ""))
-    lines.append("verify: " + ("FAILED" if bad else "ok"))
-    return (1 if bad else 0), lines
+    head += f", {bad} bad or missing" if bad else ""
+    head += f", {len(files)} file(s) of no sample" if files else ""
+    lines.insert(0, head)
+    failed = bad or files
+    lines.append("verify: " + ("FAILED" if failed else "ok"))
+    return (1 if failed else 0), lines
 
 
 def verify(

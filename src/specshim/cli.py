@@ -158,6 +158,7 @@ def _extract(args: argparse.Namespace) -> int:
         column=args.column,
         **{knob.name: getattr(args, knob.name) for knob in KNOBS},
         cpu_kv_space_gib=args.cpu_kv_space_gib,
+        move_orphans=args.move_orphans,
     )
     with _stdout_to_stderr():
         counts = extract(options)
@@ -323,6 +324,13 @@ def _add_extract(commands: argparse._SubParsersAction) -> None:
             f"{STEP_DEFAULTS[knob.name]}, or {knob.env})",
         )
     extract.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    extract.add_argument(
+        "--move-orphans",
+        action="store_true",
+        help="move files of samples the dataset no longer has (a rerun on a "
+        "shorter dataset) to OUT/.specshim/orphans/ instead of stopping with an "
+        "error: speculators' trainer reads every .pt in OUT",
+    )
     extract.add_argument(
         "--cpu-kv-space-gib",
         type=int,

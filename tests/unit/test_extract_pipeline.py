@@ -292,3 +292,45 @@ def test_a_resumed_run_still_counts_the_samples_an_earlier_run_truncated(
         counts = extract(_options(model, data, out, max_model_len=8))
     assert counts["skipped"] == 3 and counts["written"] == 1
     assert "2 of 4 samples are longer than max_model_len - 1 = 7" in caplog.text
+
+
+def test_files_of_samples_a_shorter_dataset_lacks_are_never_counted_done(
+    tmp_path, tiny_model_dir, fake
+):
+    """speculators' trainer reads every .pt in OUT: a rerun on a shorter
+    dataset must not leave the old tail in place looking finished."""
+    model = tiny_model_dir("llama")
+    rows = [{"input_ids": [i + 1, i + 2]} for i in range(6)]
+    data, out = _jsonl(tmp_path / "d.jsonl", rows), tmp_path / "out"
+    extract(_options(model, data, out))
+    _jsonl(data, rows[:4])
+    with pytest.raises(UsageError, match=r"2 file\(s\) of samples .* --move-orphans"):
+        extract(_options(model, data, out))
+    assert sorted(_written(out)) == [0, 1, 2, 3, 4, 5]  # nothing removed unasked
+    status = _status.collect(out)
+    assert (status.total, status.done, status.orphans) == (4, 4, [4, 5])
+    assert not status.complete
+    assert "files of samples the dataset does not have" in "\n".join(
+        _status.render(status, out)
+    )
+    extract(_options(model, data, out, move_orphans=True))
+    assert sorted(_written(out)) == [0, 1, 2, 3]
+    moved = sorted(p.name for p in (out / ".specshim" / "orphans").rglob("*.pt"))
+    assert moved == ["data_4.pt", "data_5.pt"]
+    assert _status.collect(out).complete
+
+
+def test_verify_all_counts_files_of_no_sample_apart(tmp_path, tiny_model_dir, fake):
+    from specshim._verify import verify_all
+
+    model = tiny_model_dir("llama")
+    rows = [{"input_ids": [i + 1, i + 2]} for i in range(5)]
+    data, out = _jsonl(tmp_path / "d.jsonl", rows), tmp_path / "out"
+    extract(_options(model, data, out))
+    _jsonl(data, rows[:2])
+    code, lines = verify_all(model, out, data)
+    assert code == 1 and lines[-1] == "verify: FAILED"
+    # The stand-in's states are 1 wide, so the two samples are bad: what
+    # matters is that the three files of no sample are not taken from the good.
+    assert lines[0].endswith("0 good, 2 bad or missing, 3 file(s) of no sample")
+    assert sum(line.startswith("  ORPHAN") for line in lines) == 3
