@@ -38,6 +38,41 @@ class Sample:
 # Files read through the ``datasets`` library, by suffix (a directory is a
 # ``save_to_disk`` dataset).
 TABLE_BUILDERS = {".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+# Compressed files, known by their first bytes (the name may say otherwise):
+# each a module of the standard library that opens it, or None where none can.
+COMPRESSIONS = {
+    b"\x1f\x8b": ("gzip", "gzip"),
+    b"BZh": ("bzip2", "bz2"),
+    b"\xfd7zXZ\x00": ("xz", "lzma"),
+    b"\x28\xb5\x2f\xfd": ("zstd", None),
+}
+_COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+
+
+def _table_suffix(path: Path) -> str:
+    """The suffix that says which table reader a file needs (``x.json.gz``:
+    ``.json``; ``datasets`` decompresses by itself)."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if len(suffixes) > 1 and suffixes[-1] in _COMPRESSED_SUFFIXES:
+        return suffixes[-2]
+    return path.suffix.lower()
+
+
+def _open_lines(path: Path) -> Any:
+    """``path`` opened for reading bytes, decompressed if its content is."""
+    import importlib
+
+    with path.open("rb") as handle:
+        head = handle.read(6)
+    for magic, (name, module) in COMPRESSIONS.items():
+        if head.startswith(magic):
+            if module is None:
+                raise UsageError(
+                    f"--data {path}: compressed with {name}, which specshim "
+                    f"cannot read; decompress it first"
+                )
+            return importlib.import_module(module).open(path, "rb")
+    return path.open("rb")
 
 
 def parse_shard(
@@ -162,7 +197,7 @@ class RecordStream:
     ) -> None:
         self.path, self.shard, self.split, self.column = path, shard, split, column
         self.total: int | None = None
-        self.table = path.is_dir() or path.suffix.lower() in TABLE_BUILDERS
+        self.table = path.is_dir() or _table_suffix(path) in TABLE_BUILDERS
         if not self.table:
             if split is not None:
                 raise UsageError(f"--split {split}: a JSONL file has no splits")
@@ -187,14 +222,14 @@ class RecordStream:
     def _jsonl_rows(self) -> Iterator[tuple[int, str, Any]]:
         path = self.path
         try:
-            handle = path.open("rb")
+            handle = _open_lines(path)
         except OSError as exc:
             raise UsageError(
                 f"--data {path}: cannot read it ({exc.strerror})"
             ) from None
         position = 0
         with handle:
-            for number, raw in enumerate(handle, start=1):
+            for number, raw in enumerate(_decompressed(handle, path), start=1):
                 if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
                     raw = raw[3:]
                 try:
@@ -224,7 +259,7 @@ class RecordStream:
             if path.is_dir():
                 table = datasets.load_from_disk(str(path))
             else:
-                builder = TABLE_BUILDERS[path.suffix.lower()]
+                builder = TABLE_BUILDERS[_table_suffix(path)]
                 table = datasets.load_dataset(
                     builder, data_files=str(path), streaming=True
                 )
@@ -254,6 +289,26 @@ class RecordStream:
                 raise _unreadable(path, exc, f" at row {position + 1}") from None
             yield position, f"{path}: row {position + 1}", row
             position += 1
+
+
+def _decompressed(handle: Any, path: Path) -> Iterator[bytes]:
+    """The lines of ``handle``; damaged compressed data is a one-line error."""
+    import lzma
+    import zlib
+
+    number = 0
+    while True:
+        try:
+            raw = handle.readline()
+        except (EOFError, OSError, zlib.error, lzma.LZMAError) as exc:
+            raise UsageError(
+                f"{path}:{number + 1}: the compressed data is damaged or cut "
+                f"short ({exc})"
+            ) from None
+        if not raw:
+            return
+        number += 1
+        yield raw
 
 
 def _unreadable(path: Path, exc: Exception, where: str = "") -> UsageError:

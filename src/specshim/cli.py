@@ -292,7 +292,8 @@ def _add_extract(commands: argparse._SubParsersAction) -> None:
     extract.add_argument(
         "--data",
         required=True,
-        help="JSONL, a JSON array, Parquet, Arrow, or a datasets directory "
+        help="JSONL, a JSON array (either also gzip/bzip2/xz-compressed), Parquet, "
+        "Arrow, or a datasets directory "
         "(save_to_disk); each sample has input_ids, text, or "
         "messages/conversations (ShareGPT from/value turns too)",
     )

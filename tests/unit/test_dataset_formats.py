@@ -138,3 +138,49 @@ def test_shard_auto_reads_slurm_and_kubernetes(environ, shard):
 def test_shard_auto_refuses_what_it_cannot_read(environ, message):
     with pytest.raises(UsageError, match=message):
         parse_shard("auto", environ)
+
+
+@pytest.mark.parametrize(
+    ("name", "module"),
+    [("d.jsonl.gz", "gzip"), ("d.jsonl.xz", "lzma"), ("d.jsonl.bz2", "bz2")],
+)
+def test_compressed_jsonl_streams_to_the_same_records(tmp_path, name, module):
+    import importlib
+
+    text = "".join(json.dumps(row) + "\n" for row in ROWS)
+    plain = tmp_path / "d.jsonl"
+    plain.write_text(text)
+    packed = tmp_path / name
+    with importlib.import_module(module).open(packed, "wt") as handle:
+        handle.write(text)
+    expected = [(r.index, r.data, r.digest) for r in read_records(plain)[0]]
+    got, total = read_records(packed)
+    assert [(r.index, r.data, r.digest) for r in got] == expected
+    assert total == len(ROWS) and got[2].where == f"{packed}:3"
+
+
+def test_a_gzipped_json_array_reads_as_the_plain_one(tmp_path):
+    import gzip
+
+    packed = tmp_path / "d.json.gz"
+    with gzip.open(packed, "wt") as handle:
+        json.dump(ROWS, handle)
+    got, total = read_records(packed)
+    assert total == len(ROWS) and [r.data for r in got] == ROWS
+
+
+def test_damaged_or_unreadable_compression_is_one_line(tmp_path):
+    import gzip
+
+    cut = tmp_path / "cut.jsonl.gz"
+    lines = b"".join(
+        b'{"input_ids": [%d]}\n' % (i * 7919 % 100003) for i in range(9000)
+    )
+    packed = gzip.compress(lines)
+    cut.write_bytes(packed[: len(packed) // 2])
+    with pytest.raises(UsageError, match=r"cut\.jsonl\.gz:\d+: the compressed data"):
+        read_records(cut)
+    zstd = tmp_path / "d.jsonl.zst"
+    zstd.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 16)
+    with pytest.raises(UsageError, match="compressed with zstd.*decompress it first"):
+        read_records(zstd)
