@@ -51,6 +51,7 @@ def report() -> dict[str, Any]:
             }
         )
     release, release_why = vllm_release_status()
+    knobs = settings()
     return {
         "versions": {name: installed_version(name) for name in PACKAGES},
         "vllm_release": {"status": release, "detail": release_why},
@@ -58,9 +59,9 @@ def report() -> dict[str, Any]:
         "strict": strict(),
         "disabled": os.environ.get("SPECSHIM_DISABLE", ""),
         "patches": patches,
-        "settings": settings(),
+        "settings": knobs,
         "contract": capture_contract(),
-        "advice": _advice(patches),
+        "advice": _advice(patches) + _settings_advice(knobs),
     }
 
 
@@ -104,6 +105,15 @@ def _advice(patches: list[dict[str, Any]]) -> list[str]:
                 "the vLLM version; SPECSHIM_DISABLE=" + item["id"] + " skips it."
             )
     return advice
+
+
+def _settings_advice(knobs: dict[str, Any]) -> list[str]:
+    """A bad ``SPECSHIM_*`` value: import kept going, the generator will refuse."""
+    return [
+        f"{item['error']} (the generator refuses to start until then)"
+        for item in knobs.values()
+        if item.get("error")
+    ]
 
 
 def format_report(data: dict[str, Any] | None = None) -> str:

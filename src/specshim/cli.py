@@ -106,6 +106,7 @@ def _doctor(args: argparse.Namespace) -> int:
         for failure in failures:
             print("\n" + failure)
     bad = [p for p in data["patches"] if p["state"] in ("incompatible", "failed")]
+    bad += [k for k in data["settings"].values() if k.get("error")]  # SPECSHIM_*
     plugin = data["plugin"]
     return (
         1 if failures or bad or not (plugin["installed"] and plugin["allowed"]) else 0
