@@ -221,6 +221,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from specshim._run import refuse_unpatched
+
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -228,6 +230,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(
             "specshim run needs a command: specshim run -- python script.py"
         )
+    refuse_unpatched(command)  # -S, -E, -I: it would run, unpatched, and exit 0
     bootstrap = str(Path(__file__).with_name("_bootstrap"))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
