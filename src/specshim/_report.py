@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from specshim._base import GENERATOR, PACKAGES
@@ -25,11 +26,29 @@ def plugin_status() -> dict[str, Any]:
 
     points = importlib.metadata.entry_points(group="vllm.general_plugins")
     installed = any(point.name == PLUGIN_NAME for point in points)
-    allowed_raw = os.environ.get("VLLM_PLUGINS")
-    allowed = allowed_raw is None or PLUGIN_NAME in [
-        name.strip() for name in allowed_raw.split(",")
-    ]
-    return {"installed": installed, "allowed": allowed, "VLLM_PLUGINS": allowed_raw}
+    allowed = _allowed_plugins()
+    # vLLM's loader: `plugin.name in allowed_plugins`, None allowing all.
+    return {
+        "installed": installed,
+        "allowed": allowed is None or PLUGIN_NAME in allowed,
+        "VLLM_PLUGINS": os.environ.get("VLLM_PLUGINS"),
+    }
+
+
+def _allowed_plugins() -> list[str] | None:
+    """``VLLM_PLUGINS`` as vLLM's loader reads it; None (unset) allows every plugin.
+
+    vLLM 0.11 to 0.32 split it on commas and nothing else: `` specshim`` is not
+    ``specshim``, and an empty value allows none. Where ``vllm.envs`` is already
+    loaded, its own parser answers (a release that changed it is then right
+    too); importing it only for this would cost seconds (it imports torch).
+    """
+    envs = sys.modules.get("vllm.envs")
+    parse = getattr(envs, "environment_variables", {}).get("VLLM_PLUGINS")
+    if parse is not None:
+        return parse()
+    raw = os.environ.get("VLLM_PLUGINS")
+    return None if raw is None else raw.split(",")
 
 
 def report() -> dict[str, Any]:
@@ -51,6 +70,7 @@ def report() -> dict[str, Any]:
             }
         )
     release, release_why = vllm_release_status()
+    knobs = settings()
     return {
         "versions": {name: installed_version(name) for name in PACKAGES},
         "vllm_release": {"status": release, "detail": release_why},
@@ -58,9 +78,9 @@ def report() -> dict[str, Any]:
         "strict": strict(),
         "disabled": os.environ.get("SPECSHIM_DISABLE", ""),
         "patches": patches,
-        "settings": settings(),
+        "settings": knobs,
         "contract": capture_contract(),
-        "advice": _advice(patches),
+        "advice": _advice(patches) + _settings_advice(knobs),
     }
 
 
@@ -82,8 +102,9 @@ def _advice(patches: list[dict[str, Any]]) -> list[str]:
         )
     elif not plugin["allowed"]:
         advice.append(
-            f"VLLM_PLUGINS={plugin['VLLM_PLUGINS']!r} filters specshim out: add "
-            "'specshim' to it or unset it."
+            f"VLLM_PLUGINS={plugin['VLLM_PLUGINS']!r} filters specshim out (vLLM "
+            "splits it on commas and matches each name exactly, spaces included): "
+            "add 'specshim' to it or unset it."
         )
     release, why = vllm_release_status()
     if release == "untested":
@@ -104,6 +125,15 @@ def _advice(patches: list[dict[str, Any]]) -> list[str]:
                 "the vLLM version; SPECSHIM_DISABLE=" + item["id"] + " skips it."
             )
     return advice
+
+
+def _settings_advice(knobs: dict[str, Any]) -> list[str]:
+    """A bad ``SPECSHIM_*`` value: import kept going, the generator will refuse."""
+    return [
+        f"{item['error']} (the generator refuses to start until then)"
+        for item in knobs.values()
+        if item.get("error")
+    ]
 
 
 def format_report(data: dict[str, Any] | None = None) -> str:

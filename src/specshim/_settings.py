@@ -16,6 +16,12 @@ on speculators' module, now if it is loaded, else as it loads. A generator
 picks up the values current when it is *constructed*. Correctness does not
 depend on them: specshim keeps chunked prefill off and guards every step, so
 any budget yields the same rows.
+
+A variable whose value fails its check does not fail ``import specshim`` (every
+command, ``specshim --version`` included, imports it). It is remembered, shown
+by ``settings()`` and ``doctor``, and raised where the value is used: by the
+generator's constructor (``require_valid_environment``) and by ``resolve``. It
+never silently becomes speculators' own value; ``configure()`` overrides it.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import sys
 import threading
 
 from specshim import _hooks
-from specshim._base import GENERATOR, SpecShimError
+from specshim._base import GENERATOR, SpecShimError, UsageError
 
 TYPE_CHECKING = False  # typing costs ~15 ms to import; annotations are strings
 if TYPE_CHECKING:
@@ -122,25 +128,38 @@ _defaults: dict[str, Any] = {}  # knob name -> speculators' own value
 _sources: dict[str, str] = {}  # knob name -> "configure()" or "env VAR"
 
 
+class Refused:
+    """A ``SPECSHIM_*`` value that failed its check, kept in ``_chosen`` in its place.
+
+    Kept there, ``configure()`` overrides it, ``reset`` drops it and
+    ``snapshot``/``restore`` carry it like any chosen value.
+    """
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
 def _validate(knob: Knob, value: Any, source: str) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise SpecShimError(f"{source}: {knob.name} must be a number, got {value!r}")
+        raise UsageError(f"{source}: {knob.name} must be a number, got {value!r}")
     try:
         number = knob.kind(value)
     except ValueError:
         kind = "an integer" if knob.kind is int else "a number"
-        raise SpecShimError(
+        raise UsageError(
             f"{source}: {knob.name} must be {kind}, got {value!r}"
         ) from None
     if knob.kind is int and isinstance(value, float) and value != number:
-        raise SpecShimError(f"{source}: {knob.name} must be an integer, got {value!r}")
+        raise UsageError(f"{source}: {knob.name} must be an integer, got {value!r}")
     if number != number:  # NaN
-        raise SpecShimError(f"{source}: {knob.name} must be a number, got {value!r}")
+        raise UsageError(f"{source}: {knob.name} must be a number, got {value!r}")
     too_low = number <= knob.low if knob.kind is float else number < knob.low
     too_high = knob.high is not None and number > knob.high
     if too_low or too_high:
         bound = f"in (0, {knob.high}]" if knob.kind is float else f">= {int(knob.low)}"
-        raise SpecShimError(
+        raise UsageError(
             f"{source}: {knob.name} must be {bound} ({knob.meaning}), got {value!r}"
         )
     return number
@@ -151,9 +170,9 @@ def _push(module: Any) -> None:
     for knob in KNOBS:
         if knob.name not in _defaults and hasattr(module, knob.constant):
             _defaults[knob.name] = getattr(module, knob.constant)
-        if knob.name in _chosen:
+        if knob.name in _chosen and not isinstance(_chosen[knob.name], Refused):
             setattr(module, knob.constant, _chosen[knob.name])
-        elif knob.name in _defaults:
+        elif knob.name in _defaults:  # a Refused one: the constructor refuses
             setattr(module, knob.constant, _defaults[knob.name])
 
 
@@ -304,7 +323,12 @@ def apply_resolved(chosen: dict[str, tuple[Any, str]]) -> dict[str, Any]:
 def _from_environment(knob: Knob) -> Any:
     """The knob's checked value from its ``SPECSHIM_*`` variable; None if unset."""
     raw = os.environ.get(knob.env, "").strip()
-    return _validate(knob, raw, f"environment {knob.env}") if raw else None
+    if not raw:
+        return None
+    try:
+        return _validate(knob, raw, f"environment {knob.env}")
+    except UsageError as exc:
+        raise UsageError(f"{exc}; fix or unset {knob.env}") from None
 
 
 def _checked(
@@ -355,8 +379,12 @@ def settings() -> dict[str, Any]:
     module = sys.modules.get(GENERATOR)
     with _lock:
         for knob in KNOBS:
+            chosen = _chosen.get(knob.name)
+            if isinstance(chosen, Refused):
+                out[knob.name] = _refused_entry(knob, chosen)
+                continue
             if knob.name in _chosen:
-                value, source = _chosen[knob.name], _sources[knob.name]
+                value, source = chosen, _sources[knob.name]
             elif module is not None and hasattr(module, knob.constant):
                 value, source = getattr(module, knob.constant), "speculators"
             else:
@@ -370,11 +398,42 @@ def settings() -> dict[str, Any]:
     return out
 
 
+def _refused_entry(knob: Knob, refused: Refused) -> dict[str, Any]:
+    # No value is in force: the generator's constructor refuses to run.
+    return {
+        "value": None,
+        "source": f"bad env {knob.env}",
+        "constant": knob.constant,
+        "env": knob.env,
+        "error": refused.message,
+    }
+
+
+def require_valid_environment() -> None:
+    """Raise ``UsageError`` for each bad ``SPECSHIM_*`` value still in force.
+
+    The generator's constructor calls it (patch ``remote-code-gate``), where
+    speculators reads the constants: a bad value stops it there, naming the
+    variable, instead of speculators' own value being used unasked.
+    """
+    with _lock:
+        refused = [_chosen.get(knob.name) for knob in KNOBS]
+    errors = [value.message for value in refused if isinstance(value, Refused)]
+    if errors:
+        raise UsageError("; ".join(errors))
+
+
 def load_environment() -> None:
-    """Read the ``SPECSHIM_*`` knob variables (``arm`` does, at import)."""
-    found = {}
+    """Read the ``SPECSHIM_*`` knob variables (``arm`` does, at import).
+
+    A bad value is kept as ``Refused``, not raised: importing must not fail.
+    """
+    found: dict[str, Any] = {}
     for knob in KNOBS:
-        value = _from_environment(knob)
+        try:
+            value = _from_environment(knob)
+        except UsageError as exc:
+            value = Refused(str(exc))
         if value is not None:
             found[knob.name] = value
     if not found:

@@ -106,6 +106,7 @@ def _doctor(args: argparse.Namespace) -> int:
         for failure in failures:
             print("\n" + failure)
     bad = [p for p in data["patches"] if p["state"] in ("incompatible", "failed")]
+    bad += [k for k in data["settings"].values() if k.get("error")]  # SPECSHIM_*
     plugin = data["plugin"]
     return (
         1 if failures or bad or not (plugin["installed"] and plugin["allowed"]) else 0
@@ -221,6 +222,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from specshim._run import refuse_unpatched
+
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -228,6 +231,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(
             "specshim run needs a command: specshim run -- python script.py"
         )
+    refuse_unpatched(command)  # -S, -E, -I: it would run, unpatched, and exit 0
     bootstrap = str(Path(__file__).with_name("_bootstrap"))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(

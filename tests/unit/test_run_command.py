@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 CHILD = "import sys; print('child', 'specshim' in sys.modules)"
 PARENT = (
     "import subprocess, sys; print('parent', 'specshim' in sys.modules); "
@@ -79,3 +81,56 @@ def test_run_refuses_a_python_child_that_cannot_import_specshim(tmp_path):
         text=True,
     )
     assert out.returncode == 1 and "cannot import specshim" in out.stderr
+
+
+def _run(*command):
+    return subprocess.run(
+        [sys.executable, "-m", "specshim", "run", "--", *command],
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["-S"], "-S"),
+        (["-I"], "-I"),
+        (["-E"], "-E"),
+        (["-sE"], "-E"),
+        (["-uIS"], "-I"),
+        (["-W", "ignore", "-E"], "-E"),
+        (["-Werror", "-X", "dev", "-S"], "-S"),
+        (["--check-hash-based-pycs", "never", "-I"], "-I"),
+    ],
+)
+def test_run_refuses_python_flags_that_skip_the_bootstrap(flags, named):
+    out = _run(sys.executable, *flags, "-c", "print('ran')")
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 1, out
+    assert "ran" not in out.stdout
+    assert len(lines) == 1 and lines[0].startswith("specshim run: error: "), lines
+    assert f"{named} " in lines[0] and f"drop {named}" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["-s", "-P", "-B"],  # no user site, safe path: PYTHONPATH still read
+        ["-W", "-S"],  # -S is -W's argument (a warning filter), not a flag
+    ],
+)
+def test_run_lets_harmless_python_flags_through(flags):
+    code = "import sys; print('patched', 'specshim' in sys.modules)"
+    out = _run(sys.executable, *flags, "-c", code, "-S", "-I")  # the program's args
+    assert out.returncode == 0, out.stderr
+    assert "patched True" in out.stdout
+
+
+def test_run_refuses_a_script_whose_shebang_passes_such_a_flag(tmp_path):
+    script = tmp_path / "tool"
+    script.write_text(f"#!{sys.executable} -I\nprint('ran')\n")
+    script.chmod(0o755)
+    out = _run(str(script))
+    assert out.returncode == 1 and "ran" not in out.stdout, out
+    assert "drop -I" in out.stderr and str(script) in out.stderr

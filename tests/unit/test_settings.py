@@ -108,11 +108,64 @@ def test_environment_applies_when_speculators_is_imported_later():
     assert values == [128, 32768, 0.3, "env SPECSHIM_MAX_NUM_SEQS"]
 
 
-def test_bad_environment_value_is_a_clear_error_at_import():
-    done = _fresh_python("import specshim", SPECSHIM_CACHE_MEMORY_FRACTION="2")
-    assert done.returncode != 0
-    assert "SPECSHIM_CACHE_MEMORY_FRACTION" in done.stderr
-    assert "cache_memory_fraction must be in (0, 1.0]" in done.stderr
+def test_bad_environment_value_never_breaks_import_or_version():
+    # Every command, `--version` included, starts by importing specshim; a bad
+    # value is reported where it is used, not here.
+    bad = {"SPECSHIM_CACHE_MEMORY_FRACTION": "2", "SPECSHIM_MAX_NUM_SEQS": "abc"}
+    done = _fresh_python(
+        "import specshim; print(specshim.settings()['max_num_seqs']['error'])", **bad
+    )
+    assert done.returncode == 0, done.stderr
+    assert "SPECSHIM_MAX_NUM_SEQS: max_num_seqs must be an integer" in done.stdout
+    version = _fresh_python("from specshim.cli import main; main(['--version'])", **bad)
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.startswith("specshim ")
+
+
+def test_bad_environment_value_refuses_the_generator_naming_it(
+    generator_module, monkeypatch, tmp_path
+):
+    from specshim import _settings
+
+    monkeypatch.setenv("SPECSHIM_MAX_NUM_SEQS", "abc")
+    _settings.load_environment()  # what ``import specshim`` does
+    state = specshim.settings()["max_num_seqs"]
+    assert state["value"] is None and "SPECSHIM_MAX_NUM_SEQS" in state["error"]
+    # Never speculators' own 32 in place of the budget the user asked for.
+    with pytest.raises(SpecShimError, match=r"SPECSHIM_MAX_NUM_SEQS.*'abc'"):
+        generator_module.VllmHiddenStatesGenerator(str(tmp_path))
+    # An explicit value overrides the bad variable, without an error.
+    assert specshim.configure(max_num_seqs=5)["max_num_seqs"]["value"] == 5
+    _settings.require_valid_environment()
+    assert generator_module.MAX_NUM_SEQS == 5
+
+
+def test_bad_environment_value_is_a_one_line_usage_error_of_extract(
+    tiny_model_dir, monkeypatch, tmp_path, capsys
+):
+    from specshim.cli import main
+
+    monkeypatch.setenv("SPECSHIM_CACHE_MEMORY_FRACTION", "2")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2]}\n')
+    model = str(tiny_model_dir("llama"))
+    code = main(["extract", "--model", model, "--data", str(data), "--out", "o"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("specshim extract: error: environment ")
+    assert "SPECSHIM_CACHE_MEMORY_FRACTION" in lines[0]
+
+
+def test_doctor_reports_a_bad_environment_value(generator_module, monkeypatch, capsys):
+    from specshim import _settings
+    from specshim.cli import main
+
+    monkeypatch.setenv("SPECSHIM_MAX_BATCHED_TOKENS", "-1")
+    _settings.load_environment()
+    code = main(["doctor"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "SPECSHIM_MAX_BATCHED_TOKENS: max_batched_tokens must be >= 1" in out
 
 
 def test_import_specshim_loads_no_heavy_modules():

@@ -13,7 +13,9 @@ Why:
     files, before anything is loaded. With consent, or for a checkpoint without
     code, speculators runs as written. A model given by hub id is checked
     through the ``config.json`` and ``tokenizer_config.json`` transformers
-    fetches for it.
+    fetches for it. Being the first thing the constructor runs, it also
+    refuses a step budget from a bad ``SPECSHIM_*`` value (kept, not raised,
+    at import), which speculators would otherwise replace by its own.
 Upstream change:
     None: speculators 0.3.0 hard-codes ``trust_remote_code=True``.
 Upstream PR:
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from specshim._remote_code import require_consent
+from specshim._settings import require_valid_environment
 from specshim._types import Incompatible
 from specshim.patches._util import declare, parameters
 
@@ -54,6 +57,9 @@ def _local(model_path: str) -> Path | str:
 def _build(original: Any) -> Any:
     @functools.wraps(original)
     def __init__(self: Any, model_path: str, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        # speculators reads the step-budget constants below: a bad SPECSHIM_*
+        # value stops it here rather than leave speculators' own in place.
+        require_valid_environment()
         require_consent(_local(str(model_path)))
         original(self, model_path, *args, **kwargs)
 
