@@ -401,12 +401,36 @@ def _check_options(options: ExtractOptions) -> None:
         )
 
 
+def check_against_model(model: Path, max_model_len: int, tp: int) -> None:
+    """What vLLM would refuse of these values for this checkpoint, refused
+    first, in one line naming the flag and the model's limit."""
+    config_file, config = _text_config(model)
+    positions = config.get("max_position_embeddings")
+    # Where rope scaling stretches the positions, vLLM computes the limit.
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else "?"
+    scaled = kind not in (None, "default")
+    if isinstance(positions, int) and not scaled and max_model_len > positions:
+        raise UsageError(
+            f"--max-model-len {max_model_len}: the model has {positions} positions "
+            f"(max_position_embeddings in {config_file}); give at most {positions}"
+        )
+    heads = config.get("num_attention_heads")
+    if isinstance(heads, int) and heads % tp:
+        divisors = [n for n in range(1, heads + 1) if heads % n == 0]
+        raise UsageError(
+            f"--tp {tp}: the model's {heads} attention heads must split evenly "
+            f"over the tensor-parallel ranks; use one of {divisors}"
+        )
+
+
 def _extract(options: ExtractOptions) -> dict[str, Any]:
     # Cheap checks first: flags, paths and what --out already holds, before the
     # dataset is read or a model is loaded.
     num_layers, vocab_size = model_facts(options.model)
     layers = choose_layers(options.layers, num_layers)
     _check_options(options)
+    check_against_model(options.model, options.max_model_len, options.tp)
     settings = step_settings(options)
     if not options.data.exists():
         raise UsageError(f"--data {options.data}: no such file or directory")
@@ -646,13 +670,22 @@ def _make_generator(options: ExtractOptions, layers: list[int]) -> Any:
     # armed before speculators' modules load here.
     from speculators.data_generation import VllmHiddenStatesGenerator
 
-    return VllmHiddenStatesGenerator(
-        str(options.model),
-        layer_ids=layers,
-        max_model_len=options.max_model_len,
-        gpu_memory_utilization=options.gpu_memory_utilization,
-        tensor_parallel_size=options.tp,
-    )
+    try:
+        return VllmHiddenStatesGenerator(
+            str(options.model),
+            layer_ids=layers,
+            max_model_len=options.max_model_len,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            tensor_parallel_size=options.tp,
+        )
+    except Exception as exc:
+        # vLLM's config classes validate with pydantic, before any worker
+        # starts: what they refuse is a value given here, said in one line.
+        if type(exc).__name__ != "ValidationError":
+            raise
+        lines = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()]
+        reason = (lines[0] if lines else str(exc)).removeprefix("Value error, ")
+        raise UsageError(f"vLLM refused these settings: {reason}") from None
 
 
 def _generate(generator: Any, batch: list[Todo], writer: _Writer) -> list[Any]:

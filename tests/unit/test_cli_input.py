@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -295,3 +296,63 @@ def test_cpu_kv_space_follows_the_job_and_the_flag(monkeypatch, model):
     assert cpu_kv_space(options, 8192) == (3, "VLLM_CPU_KVCACHE_SPACE")
     options.cpu_kv_space_gib = 2
     assert cpu_kv_space(options, 8192) == (2, "--cpu-kv-space-gib")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--max-model-len", "4096"],
+            "--max-model-len 4096: the model has 2048 positions",
+        ),
+        (["--tp", "3"], r"--tp 3: the model's 4 attention heads .* \[1, 2, 4\]"),
+    ],
+)
+def test_values_vllm_would_reject_are_refused_first(
+    tmp_path, capsys, model, extra, message
+):
+    out = str(tmp_path / "out")
+    code, err = _extract(
+        capsys,
+        "--model",
+        model,
+        "--data",
+        _data(tmp_path, [OK_LINE]),
+        "--out",
+        out,
+        *extra,
+    )
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specshim extract: error: ")
+    assert re.search(message, lines[0]), lines[0]
+    assert not (tmp_path / "out").exists()  # refused before anything was made
+
+
+def test_what_vllm_refuses_later_is_still_one_line(tmp_path, capsys):
+    """Rope scaling stretches the positions: vLLM itself computes that limit,
+    and its refusal (a pydantic error) comes out as one line too."""
+    from specshim.testing.tiny_models import build_llama
+
+    model = build_llama(
+        tmp_path / "scaled",
+        max_position_embeddings=256,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
+    out = str(tmp_path / "out")
+    data = _data(tmp_path, [OK_LINE])
+    code, err = _extract(
+        capsys,
+        "--model",
+        str(model),
+        "--data",
+        data,
+        "--out",
+        out,
+        "--max-model-len",
+        "1024",
+    )
+    lines = err.strip().splitlines()
+    assert code == 2, err[-2000:]
+    assert lines[-1].startswith("specshim extract: error: vLLM refused these settings")
+    assert "1024" in lines[-1]
