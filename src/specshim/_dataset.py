@@ -213,7 +213,7 @@ class RecordStream:
         for position, where, value in rows:
             record = _normalise(value, where, self.column)
             if position % count == index:
-                yield Record(position, where, record, record_digest(record))
+                yield Record(position, where, record, _digest(record, where))
         if position < 0:
             what = "rows" if self.table else "JSON lines"
             raise UsageError(f"--data {self.path}: the dataset is empty (no {what})")
@@ -247,6 +247,13 @@ class RecordStream:
                     raise UsageError(
                         f"{path}:{number}: not valid JSON ({exc.msg})"
                     ) from None
+                except RecursionError:
+                    raise UsageError(
+                        f"{path}:{number}: JSON nested too deeply to read"
+                    ) from None
+                except ValueError as exc:  # e.g. a number of 5,000 digits
+                    where = f"{path}:{number}"
+                    raise UsageError(f"{where}: unusable JSON ({exc})") from None
                 yield position, f"{path}:{number}", value
                 position += 1
 
@@ -289,6 +296,27 @@ class RecordStream:
                 raise _unreadable(path, exc, f" at row {position + 1}") from None
             yield position, f"{path}: row {position + 1}", row
             position += 1
+
+
+def _digest(record: dict[str, Any], where: str) -> str:
+    """``record_digest``, or a one-line error for data JSON cannot carry: text
+    that is not valid Unicode (a lone surrogate escape such as "\\ud800"), a
+    value of a type JSON has not (a table's bytes or timestamps), nesting too
+    deep to write."""
+    try:
+        return record_digest(record)
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()
+        raise UsageError(
+            f"{where}: text that is not valid Unicode ({bad}, a lone surrogate)"
+        ) from None
+    except TypeError as exc:
+        raise UsageError(
+            f"{where}: a field JSON cannot hold ({exc}); drop that column or pass "
+            "--column with the field that holds the sample"
+        ) from None
+    except (RecursionError, ValueError) as exc:
+        raise UsageError(f"{where}: a field nested too deeply ({exc})") from None
 
 
 def _decompressed(handle: Any, path: Path) -> Iterator[bytes]:
@@ -386,6 +414,13 @@ class Tokenizing:
 
         if not isinstance(turns, list) or not turns:
             raise UsageError(f"{where}: messages must be a non-empty list of turns")
+        odd = next((t for t in turns if not isinstance(t, dict)), None)
+        if odd is not None:
+            raise UsageError(
+                f"{where}: each chat turn must be an object such as "
+                f'{{"role": "user", "content": "..."}}, found {type(odd).__name__} '
+                f"{str(odd)[:40]!r}"
+            )
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise UsageError(
                 f"{where}: chat turns need a tokenizer with a chat template; "

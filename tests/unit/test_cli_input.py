@@ -55,6 +55,27 @@ OK_LINE = json.dumps({"input_ids": [1, 2, 3]})
         ([OK_LINE], ["--layers", "a"], "comma-separated integers"),
         ([OK_LINE], ["--shard", "2/2"], "need 0 <= I < N"),
         ([OK_LINE], ["--shard", "one"], "not of the form I/N"),
+        # Data that parses but cannot be used.
+        (
+            [OK_LINE, '{"text": "a \\ud800 b"}'],
+            [],
+            "data.jsonl:2: text that is not valid",
+        ),
+        (
+            [OK_LINE, json.dumps({"messages": ["hi", "there"]})],
+            [],
+            "data.jsonl:2: each chat turn must be an object",
+        ),
+        (
+            [OK_LINE, '{"input_ids": [1], "x": ' + "[" * 100000 + "]" * 100000 + "}"],
+            [],
+            "data.jsonl:2: JSON nested too deeply",
+        ),
+        (
+            [OK_LINE, '{"input_ids": [' + "9" * 5000 + "]}"],
+            [],
+            "data.jsonl:2: unusable",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_model_load(
@@ -73,7 +94,23 @@ def test_bad_input_is_refused_before_model_load(
     )
     assert code == 2
     assert message in err
+    assert len(err.strip().splitlines()) == 1, err  # one line, no traceback
     assert not list(out.glob("*.pt")) if out.exists() else True
+
+
+def test_a_table_column_json_cannot_hold_is_one_line(tmp_path, capsys, model):
+    import datasets
+
+    path = tmp_path / "d.parquet"
+    datasets.Dataset.from_list([{"input_ids": [1, 2], "blob": b"\x00\x01"}]).to_parquet(
+        str(path)
+    )
+    capsys.readouterr()  # datasets' own progress bar
+    code, err = _extract(
+        capsys, "--model", model, "--data", str(path), "--out", str(tmp_path / "o")
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "d.parquet: row 1: a field JSON cannot hold" in err
 
 
 def test_missing_model_directory(tmp_path, capsys):
