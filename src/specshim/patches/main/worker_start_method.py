@@ -20,9 +20,10 @@ Why:
     workers itself.
 Upstream change:
     None by itself: vLLM's engine chooses the start method before it starts
-    workers (``get_mp_context`` / ``_maybe_force_spawn``); speculators' hand-
-    built executor inherits ``fork``, which stopped being safe once vLLM's
-    imports reach the CUDA runtime (seen with vLLM 0.23 and 0.24 on CUDA).
+    workers (``get_mp_context`` / ``_maybe_force_spawn``); the executor
+    speculators builds by hand inherits ``fork``, which stopped being safe once
+    vLLM's imports reach the CUDA runtime (seen with vLLM 0.23 and 0.24 on
+    CUDA).
 Upstream PR:
     none: not an upstream change.
 Remove when:
