@@ -118,6 +118,8 @@ def prepare_out(out: Path) -> None:
 def read_config(out: Path) -> dict[str, Any] | None:
     """``data_config.json`` of ``out``; None if there is none yet."""
     path = out / CONFIG_NAME
+    if path.exists() and not path.is_file():  # a FIFO would block the read
+        raise SpecShimError(f"{path} is not a regular file; it is not specshim's")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -321,6 +323,8 @@ def manifests(out: Path) -> Iterator[tuple[dict[str, Any], list[Entry]]]:
     if not folder.is_dir():
         return
     for path in sorted(folder.glob("*.jsonl")):
+        if not path.is_file():  # not specshim's, and a FIFO would block
+            continue
         header: dict[str, Any] = {"run": path.stem}
         entries = []
         with path.open(encoding="utf-8", errors="replace") as handle:

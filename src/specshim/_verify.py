@@ -33,10 +33,9 @@ def agreement(
     ratios: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     failures = []
     for index, path in files:
-        try:
-            data = _load(path)
-        except UnreadableError as exc:
-            failures.append(f"data_{index}.pt: cannot be loaded safely ({exc})")
+        data, why = load_sample(path)
+        if data is None:
+            failures.append(f"data_{index}.pt: {why}")
             continue
         ids = data["input_ids"].tolist()
         expected = reference.states(ids, layers)
@@ -90,9 +89,24 @@ def run_config(out: Path) -> dict[str, Any]:
             f"{out}: no {CONFIG_NAME}; is this an extract output directory?"
         )
     layers = config.get("layers")
-    if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+    if not isinstance(layers, list) or not all(_is_int(i) for i in layers):
         raise SpecShimError(f"{out / CONFIG_NAME} is corrupt: no list of layers")
+    length = config.get("max_model_len")
+    if not _is_int(length) or length < 2:
+        raise SpecShimError(
+            f"{out / CONFIG_NAME} is corrupt: max_model_len is {length!r}, not a "
+            "whole number of at least 2"
+        )
+    tp = config.get("tensor_parallel_size", 1)
+    if tp is not None and (not _is_int(tp) or tp < 1):
+        raise SpecShimError(
+            f"{out / CONFIG_NAME} is corrupt: tensor_parallel_size is {tp!r}"
+        )
     return config
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _load(path: Path) -> Any:
@@ -113,22 +127,41 @@ class UnreadableError(Exception):
     pass
 
 
+def load_sample(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """The speculators sample in ``path``, or None and why it is not one."""
+    import torch
+
+    if not path.is_file():  # a FIFO would block the load, a folder fails it
+        return None, "is not a regular file"
+    try:
+        data = _load(path)
+    except UnreadableError as exc:
+        return None, f"cannot be loaded safely ({exc})"
+    keys = {"input_ids", "hidden_states", "loss_mask"}
+    if not isinstance(data, dict) or not keys <= set(data):
+        return None, "is not a speculators sample (input_ids, hidden_states, loss_mask)"
+    tensors = [data["input_ids"], data["loss_mask"]]
+    states = data["hidden_states"]
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in tensors):
+        return None, "holds input_ids or loss_mask that are not 1-D tensors"
+    if data["input_ids"].is_floating_point() or data["input_ids"].is_complex():
+        return None, "holds input_ids that are not token ids (integers)"
+    if not isinstance(states, list) or not all(
+        isinstance(t, torch.Tensor) for t in states
+    ):
+        return None, "holds hidden_states that are not a list of tensors"
+    return data, ""
+
+
 def check_file(
     path: Path, sample: Any, layers: list[int], hidden_size: int
 ) -> str | None:
     """None if ``path`` holds ``sample`` in the run's shapes, else what is wrong."""
     import torch
 
-    try:
-        data = _load(path)
-    except UnreadableError as exc:
-        return f"cannot be loaded safely ({exc})"
-    if not isinstance(data, dict) or not {
-        "input_ids",
-        "hidden_states",
-        "loss_mask",
-    } <= set(data):
-        return "is not a speculators sample (input_ids, hidden_states, loss_mask)"
+    data, why = load_sample(path)
+    if data is None:
+        return why
     ids, mask, states = data["input_ids"], data["loss_mask"], data["hidden_states"]
     if not torch.equal(ids, torch.as_tensor(sample.input_ids, dtype=ids.dtype)):
         return "holds other input_ids than the dataset's sample"
