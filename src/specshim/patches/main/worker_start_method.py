@@ -119,5 +119,6 @@ PATCH = declare(
     versions=">=0.11",
     probe=_probe,
     build=lambda original: wrap(original, construct),
+    platform="cuda",
     drift_rows=(27,),
 )
