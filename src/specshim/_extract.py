@@ -388,8 +388,9 @@ def extract(options: ExtractOptions) -> dict[str, Any]:
 def _check_options(options: ExtractOptions) -> None:
     if options.max_model_len < 2:
         raise UsageError("--max-model-len must be at least 2")
-    if options.batch_size < 1 or options.tp < 1:
-        raise UsageError("--batch-size and --tp must be positive")
+    for flag, value in (("--batch-size", options.batch_size), ("--tp", options.tp)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
     if not 0 < options.gpu_memory_utilization <= 1:
         raise UsageError("--gpu-memory-utilization must be in (0, 1]")
     if options.cpu_kv_space_gib is not None and options.cpu_kv_space_gib < 1:

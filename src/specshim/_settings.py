@@ -141,27 +141,26 @@ class Refused:
         self.message = message
 
 
-def _validate(knob: Knob, value: Any, source: str) -> Any:
+def _validate(knob: Knob, value: Any, source: str, label: str = "") -> Any:
+    """``value`` as the knob's number; a ``UsageError`` naming ``label`` (the
+    flag given, else the setting's name) and ``source`` if it is not one."""
+    what = f"{source}: " * bool(source) + (label or knob.name)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise UsageError(f"{source}: {knob.name} must be a number, got {value!r}")
+        raise UsageError(f"{what} must be a number, got {value!r}")
     try:
         number = knob.kind(value)
     except ValueError:
         kind = "an integer" if knob.kind is int else "a number"
-        raise UsageError(
-            f"{source}: {knob.name} must be {kind}, got {value!r}"
-        ) from None
+        raise UsageError(f"{what} must be {kind}, got {value!r}") from None
     if knob.kind is int and isinstance(value, float) and value != number:
-        raise UsageError(f"{source}: {knob.name} must be an integer, got {value!r}")
+        raise UsageError(f"{what} must be an integer, got {value!r}")
     if number != number:  # NaN
-        raise UsageError(f"{source}: {knob.name} must be a number, got {value!r}")
+        raise UsageError(f"{what} must be a number, got {value!r}")
     too_low = number <= knob.low if knob.kind is float else number < knob.low
     too_high = knob.high is not None and number > knob.high
     if too_low or too_high:
         bound = f"in (0, {knob.high}]" if knob.kind is float else f">= {int(knob.low)}"
-        raise UsageError(
-            f"{source}: {knob.name} must be {bound} ({knob.meaning}), got {value!r}"
-        )
+        raise UsageError(f"{what} must be {bound} ({knob.meaning}), got {value!r}")
     return number
 
 
@@ -305,7 +304,8 @@ def resolve(
     for knob in KNOBS:
         flag = flags.get(knob.name)
         if flag is not None:
-            out[knob.name] = (_validate(knob, flag, caller), f"flag {knob.flag}")
+            value = _validate(knob, flag, "", knob.flag)
+            out[knob.name] = (value, f"flag {knob.flag}")
         elif (from_env := _from_environment(knob)) is not None:
             out[knob.name] = (from_env, f"env {knob.env}")
         else:

@@ -393,3 +393,27 @@ def test_what_vllm_refuses_later_is_still_one_line(tmp_path, capsys):
     assert code == 2, err[-2000:]
     assert lines[-1].startswith("specshim extract: error: vLLM refused these settings")
     assert "1024" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--max-num-seqs", "0"], "error: --max-num-seqs must be >= 1"),
+        (["--cache-memory-fraction", "2"], "error: --cache-memory-fraction must be in"),
+        (["--max-batched-tokens", "-5"], "error: --max-batched-tokens must be >= 1"),
+        (["--batch-size", "0"], "error: --batch-size must be at least 1, got 0"),
+        (["--tp", "0"], "error: --tp must be at least 1, got 0"),
+    ],
+)
+def test_values_out_of_range_name_the_flag(tmp_path, capsys, model, extra, message):
+    code, err = _extract(
+        capsys,
+        "--model",
+        model,
+        "--data",
+        _data(tmp_path, [OK_LINE]),
+        "--out",
+        str(tmp_path / "o"),
+        *extra,
+    )
+    assert code == 2 and message in err, err

@@ -247,7 +247,7 @@ def test_extract_step_budget_precedence(generator_module, monkeypatch, tmp_path)
     assert generator_module.MIN_MAX_BATCHED_TOKENS == 12345
 
     options.cache_memory_fraction = 3.0
-    with pytest.raises(SpecShimError, match=r"extract: cache_memory_fraction must"):
+    with pytest.raises(SpecShimError, match=r"--cache-memory-fraction must"):
         step_settings(options)
 
 
