@@ -679,14 +679,22 @@ def _make_generator(options: ExtractOptions, layers: list[int]) -> Any:
             gpu_memory_utilization=options.gpu_memory_utilization,
             tensor_parallel_size=options.tp,
         )
+    except SpecShimError:
+        raise
     except Exception as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         # vLLM's config classes validate with pydantic, before any worker
         # starts: what they refuse is a value given here, said in one line.
-        if type(exc).__name__ != "ValidationError":
-            raise
-        lines = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()]
-        reason = (lines[0] if lines else str(exc)).removeprefix("Value error, ")
-        raise UsageError(f"vLLM refused these settings: {reason}") from None
+        if type(exc).__name__ == "ValidationError":
+            reason = (lines[1:] or lines or [repr(exc)])[0]
+            reason = reason.removeprefix("Value error, ")
+            raise UsageError(f"vLLM refused these settings: {reason}") from None
+        # Anything else stopped the workers from starting: vLLM logged why.
+        first = lines[0] if lines else ""
+        raise SpecShimError(
+            f"the generator could not start ({type(exc).__name__}: {first}); the "
+            "vLLM log above says why. Nothing was written in this run."
+        ) from exc
 
 
 def _generate(generator: Any, batch: list[Todo], writer: _Writer) -> list[Any]:

@@ -262,3 +262,20 @@ def test_dead_worker_ends_the_run_clearly_and_resume_completes(
 
     _run_ok(_command(model, data, out))
     _assert_complete(out, data, hf_reference, model)
+
+
+def test_a_worker_that_fails_to_start_is_one_line(tmp_path, tiny_model_dir):
+    """vLLM's CPU worker cannot bind its threads to a core the host lacks."""
+    data = _dataset(tmp_path / "d.jsonl", 3, 5, 20)
+    cmd = _command(tiny_model_dir("llama"), data, tmp_path / "out")
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="999")
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 1, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("specshim extract: error: the generator could not start")
+    # vLLM logs the worker's traceback; none escapes specshim's main process.
+    assert not any(
+        line.startswith("Traceback (most recent call last)")
+        for line in run.stderr.splitlines()
+    )
+    assert not list((tmp_path / "out").glob("data_*.pt"))
