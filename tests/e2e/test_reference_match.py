@@ -80,6 +80,20 @@ def test_repeated_calls_with_different_batch_sizes(
         _run(generator, hf_reference, tiny_model_dir, _seqs(rng, size, 1, 80))
 
 
+def test_workers_free_every_finished_request(generator):
+    """Each call's last step is never sent to the workers, so its requests'
+    ids must reach them with the next call: vLLM's V2 GPU runner has only
+    max_num_seqs request slots ("No free indices"), and the V1 runner would
+    keep their state for good."""
+    from specshim.testing.worker_probes import live_requests
+
+    rng = random.Random(11)
+    for _ in range(4):  # 20 sequences fit one step: all of them are its last
+        generator.generate(_seqs(rng, 20, 1, 8))
+    held = generator.executor.collective_rpc(live_requests)
+    assert max(held) <= 20, f"workers still hold {held} finished requests"
+
+
 def test_one_token_sequences(generator, hf_reference, tiny_model_dir):
     rng = random.Random(6)
     batch = [[7], [rng.randrange(VOCAB)], *_seqs(rng, 2, 2, 10), [7]]
@@ -144,6 +158,9 @@ def test_rows_dropped_or_repeated_in_the_worker_are_refused(generator, mode):
     assert [len(r["hidden_states"][0]) for r in again] == list(map(len, batch))
 
 
+# Last in the module on purpose: where vLLM's CPU attention cannot take a
+# padded forward (0.11; real CPU MLA from 0.29) the padding kills the worker,
+# and every later case of the same generator would fail or hang.
 def test_padded_forwards_are_refused(generator):
     """A runner that pads each step (CUDA graphs, DP, sequence parallelism do)
     adds rows no sequence owns: every step's rows must be its tokens."""
@@ -156,17 +173,3 @@ def test_padded_forwards_are_refused(generator):
         generator.executor.collective_rpc(pad_steps, args=(0,))
     again = generator.generate(batch)
     assert [len(r["hidden_states"][0]) for r in again] == list(map(len, batch))
-
-
-def test_workers_free_every_finished_request(generator):
-    """Each call's last step is never sent to the workers, so its requests'
-    ids must reach them with the next call: vLLM's V2 GPU runner has only
-    max_num_seqs request slots ("No free indices"), and the V1 runner would
-    keep their state for good."""
-    from specshim.testing.worker_probes import live_requests
-
-    rng = random.Random(11)
-    for _ in range(4):  # 20 sequences fit one step: all of them are its last
-        generator.generate(_seqs(rng, 20, 1, 8))
-    held = generator.executor.collective_rpc(live_requests)
-    assert max(held) <= 20, f"workers still hold {held} finished requests"
