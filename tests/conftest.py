@@ -32,7 +32,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def hf_reference() -> Any:
-    from specshim.testing.reference import HFReference
+    from specshim.job.agreement import HFReference
 
     cache: dict[str, HFReference] = {}
 

@@ -41,8 +41,8 @@ def _checkpoint(args: argparse.Namespace, flag: str = "--model") -> Path:
     Runs before anything is loaded from it.
     """
     from specshim import configure
-    from specshim._extract import _text_config
     from specshim._remote_code import require_consent
+    from specshim.job.extract import _text_config
 
     model = Path(args.model)
     _text_config(model, flag)  # a directory with a readable config.json
@@ -136,14 +136,14 @@ def _table(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from specshim._demo import run
+    from specshim.job.demo import run
 
     return run(Path(args.cache) if args.cache else None)
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from specshim._dataset import parse_shard
-    from specshim._extract import ExtractOptions, extract, parse_layers
+    from specshim.job.dataset import parse_shard
+    from specshim.job.extract import ExtractOptions, extract, parse_layers
 
     options = ExtractOptions(
         model=_checkpoint(args),
@@ -184,7 +184,7 @@ def summary(counts: dict[str, Any], out: Path) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from specshim._verify import verify, verify_all
+    from specshim.job.verify import verify, verify_all
 
     model = _checkpoint(args)
     samples = args.samples
@@ -213,7 +213,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from specshim._status import collect, render
+    from specshim.job.status import collect, render
 
     data = Path(args.data) if args.data else None
     status = collect(Path(args.out), data, split=args.split, column=args.column)

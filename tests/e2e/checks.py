@@ -1,6 +1,6 @@
 """How captured states are judged against the Hugging Face reference.
 
-The bar itself lives in ``specshim.testing.reference`` (``specshim verify``
+The bar itself lives in ``specshim.job.agreement`` (``specshim verify``
 uses the same one); ``test_checks_reject_a_one_row_shift`` proves it catches a
 shift of one row.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specshim.testing.reference import mismatch
+from specshim.job.agreement import mismatch
 
 __all__ = ["assert_batch_matches", "mismatch"]
 

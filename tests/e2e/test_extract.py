@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specshim.testing.reference import mismatch
+from specshim.job.agreement import mismatch
 
 pytestmark = pytest.mark.e2e
 

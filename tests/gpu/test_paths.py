@@ -31,7 +31,7 @@ def main(model, route):
         from vllm.plugins import load_general_plugins
         load_general_plugins()
     from speculators.data_generation import VllmHiddenStatesGenerator
-    from specshim.testing.reference import HFReference, mismatch
+    from specshim.job.agreement import HFReference, mismatch
     rng = random.Random(3)
     batch = [[rng.randrange(300) for _ in range(rng.randint(1, 90))] for _ in range(40)]
     gen = VllmHiddenStatesGenerator(model, layer_ids={layers}, max_model_len=1024)

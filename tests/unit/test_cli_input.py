@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from specshim import _dataset
 from specshim.cli import main
+from specshim.job import dataset as _dataset
 
 
 @pytest.fixture
@@ -300,7 +300,7 @@ def test_table_into_a_closed_pipe_is_quiet():
 
 
 def test_default_layers_are_distinct():
-    from specshim._extract import choose_layers
+    from specshim.job.extract import choose_layers
 
     assert choose_layers(None, 6) == [2, 3, 5]  # speculators would take 2, 3, 3, 5
     assert choose_layers(None, 32) == [2, 16, 29, 31]
@@ -317,7 +317,7 @@ def test_summary_counts_in_words():
 
 
 def test_cpu_kv_space_follows_the_job_and_the_flag(monkeypatch, model):
-    from specshim._extract import ExtractOptions, cpu_kv_space, kv_bytes_per_token
+    from specshim.job.extract import ExtractOptions, cpu_kv_space, kv_bytes_per_token
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     options = ExtractOptions(model=Path(model), data=Path("d"), out=Path("o"))

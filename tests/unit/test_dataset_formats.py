@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specshim._base import UsageError
-from specshim._dataset import parse_shard, read_records, tokenize
+from specshim.job.dataset import parse_shard, read_records, tokenize
 
 ROWS = [
     {"input_ids": [5, 6, 7]},

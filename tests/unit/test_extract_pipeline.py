@@ -14,10 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from specshim import _extract, _feed, _status, _store
 from specshim._base import SpecShimError, UsageError
-from specshim._dataset import RecordStream
-from specshim._extract import ExtractOptions, extract
+from specshim.job import extract as _extract
+from specshim.job import feed as _feed
+from specshim.job import status as _status
+from specshim.job import store as _store
+from specshim.job.dataset import RecordStream
+from specshim.job.extract import ExtractOptions, extract
 
 
 class FakeGenerator:
@@ -323,7 +326,7 @@ def test_files_of_samples_a_shorter_dataset_lacks_are_never_counted_done(
 
 
 def test_verify_all_counts_files_of_no_sample_apart(tmp_path, tiny_model_dir, fake):
-    from specshim._verify import verify_all
+    from specshim.job.verify import verify_all
 
     model = tiny_model_dir("llama")
     rows = [{"input_ids": [i + 1, i + 2]} for i in range(5)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specshim.testing.reference import mismatch
+from specshim.job.agreement import mismatch
 
 
 def _states(seed: int = 0, n: int = 40) -> list[torch.Tensor]:

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from specshim import SpecShimError, _references
+from specshim import SpecShimError
 from specshim.cli import main
+from specshim.job import references as _references
 
 # DeepSeek-V3 / Kimi-K2.5's text model as its config.json declares it.
 DEEPSEEK_V3 = {
@@ -41,7 +42,7 @@ def _checkpoint(tmp_path, **config):
 
 @pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
 def test_parameter_estimate_covers_the_real_bounded_model(tiny_model_dir, name):
-    from specshim.testing.reference import HFReference
+    from specshim.job.agreement import HFReference
 
     path = tiny_model_dir(name)
     config = json.loads((path / "config.json").read_text())

@@ -216,8 +216,8 @@ def test_post_import_hook_does_not_fire_for_a_failed_import(fake_module):
 
 
 def test_extract_step_budget_precedence(generator_module, monkeypatch, tmp_path):
-    from specshim._extract import ExtractOptions, step_settings
     from specshim._settings import STEP_DEFAULTS
+    from specshim.job.extract import ExtractOptions, step_settings
 
     options = ExtractOptions(model=tmp_path, data=tmp_path, out=tmp_path)
     state = step_settings(options)  # no flags, no environment: extract's defaults
@@ -260,7 +260,7 @@ def test_extract_flags_reach_the_options(tiny_model_dir, monkeypatch):
         seen["options"] = options
         return {"written": 0, "skipped": 0, "tokens": 0, "seconds": 0.0}
 
-    monkeypatch.setattr("specshim._extract.extract", fake_extract)
+    monkeypatch.setattr("specshim.job.extract.extract", fake_extract)
     code = cli.main(
         [
             "extract",
@@ -287,7 +287,7 @@ def test_extract_flags_reach_the_options(tiny_model_dir, monkeypatch):
 def test_extract_leaves_the_library_settings_as_it_found_them(
     generator_module, tmp_path
 ):
-    from specshim._extract import ExtractOptions, extract
+    from specshim.job.extract import ExtractOptions, extract
     from specshim.testing.tiny_models import build_llama
 
     model = build_llama(tmp_path / "model")

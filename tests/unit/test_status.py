@@ -7,8 +7,8 @@ import os
 import pickle
 from pathlib import Path
 
-from specshim import _store
 from specshim.cli import main
+from specshim.job import store as _store
 
 
 def _write(out: Path, run: _store.Run, index: int, tokens: int) -> None:

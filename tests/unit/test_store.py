@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from specshim import _store
+from specshim.job import store as _store
 
 
 def _dead_pid() -> int:

@@ -1,10 +1,7 @@
-"""Tiny random-weight checkpoints with tokenizers, built offline.
-
-Every builder writes a directory that both Hugging Face transformers and vLLM
-load: ``config.json``, ``model.safetensors``, a byte-level tokenizer and a chat
-template. Sizes respect vLLM's CPU backend (head_dim >= 32). Weights are seeded,
-so a directory built twice is identical.
-"""
+"""Test fixtures: the tiny checkpoints of ``specshim.job.tiny_checkpoints``,
+plus Kimi-K2.5 (a multimodal wrapper with remote code) and the 576-wide MLA
+variants, built offline. Every builder writes a directory that both Hugging
+Face transformers and vLLM load."""
 
 from __future__ import annotations
 
@@ -13,134 +10,34 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+from specshim.job.tiny_checkpoints import (
+    CHAT_TEMPLATE,
+    COMMON,
+    SPECIAL_TOKENS,
+    VOCAB_SIZE,
+    build_deepseek_v3,
+    build_llama,
+    build_qwen2,
+    build_tokenizer,
+    deepseek_v3_config,
+    init_model,
 )
-SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
-VOCAB_SIZE = 320  # 256 byte tokens + specials + spare rows, like real vocabularies
 
-_COMMON: dict[str, Any] = {
-    "vocab_size": VOCAB_SIZE,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "bos_token_id": 256,
-    "eos_token_id": 257,
-    "pad_token_id": 258,
-    "torch_dtype": "float32",
-}
-
-
-def build_tokenizer(path: Path, extra_special: tuple[str, ...] = ()) -> None:
-    """A byte-level BPE tokenizer with no merges: one token per byte."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {symbol: index for index, symbol in enumerate(alphabet)}
-    specials = [*SPECIAL_TOKENS, *extra_special]
-    for offset, token in enumerate(specials):
-        vocab[token] = len(alphabet) + offset
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(specials)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        chat_template=CHAT_TEMPLATE,
-    )
-    fast.save_pretrained(path)
-
-
-def _init_model(config: Any, model_cls: Callable[[Any], Any], seed: int) -> Any:
-    import torch
-
-    torch.manual_seed(seed)
-    model = model_cls(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                # Random norm scales so layers differ visibly from each other.
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            elif "bias" in name:
-                param.copy_(0.02 * torch.randn_like(param))
-    return model
-
-
-def _save(path: Path, config: Any, model_cls: Callable[[Any], Any], seed: int) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    model = _init_model(config, model_cls, seed)
-    model.save_pretrained(path, safe_serialization=True)
-    build_tokenizer(path)
-    return path
-
-
-def build_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**{**_COMMON, **overrides}, architectures=["LlamaForCausalLM"])
-    return _save(Path(path), config, LlamaForCausalLM, seed)
-
-
-def build_qwen2(path: Path, seed: int = 0) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(**_COMMON, architectures=["Qwen2ForCausalLM"])
-    return _save(Path(path), config, Qwen2ForCausalLM, seed)
-
-
-def deepseek_v3_config(**overrides: Any) -> dict[str, Any]:
-    """A tiny DeepSeek-V3 MoE config (MLA dims, sigmoid routing, one dense layer)."""
-    config = dict(_COMMON)
-    config.update(
-        architectures=["DeepseekV3ForCausalLM"],
-        model_type="deepseek_v3",
-        num_key_value_heads=4,
-        intermediate_size=512,
-        moe_intermediate_size=128,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        moe_layer_freq=1,
-        routed_scaling_factor=1.0,
-        norm_topk_prob=True,
-        topk_method="noaux_tc",
-        scoring_func="sigmoid",
-        q_lora_rank=64,
-        kv_lora_rank=32,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=32,
-        v_head_dim=32,
-        rope_scaling=None,
-    )
-    config.update(overrides)
-    return config
-
-
-def build_deepseek_v3(path: Path, seed: int = 0, **overrides: Any) -> Path:
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    config = DeepseekV3Config(**deepseek_v3_config(**overrides))
-    out = _save(Path(path), config, DeepseekV3ForCausalLM, seed)
-    # vLLM's loader reads these two keys to accept e_score_correction_bias.
-    cfg_file = out / "config.json"
-    data = json.loads(cfg_file.read_text())
-    data.update(topk_method="noaux_tc", scoring_func="sigmoid")
-    cfg_file.write_text(json.dumps(data, indent=2))
-    return out
+__all__ = [
+    "BUILDERS",
+    "CHAT_TEMPLATE",
+    "MLA_WIDTH",
+    "SPECIAL_TOKENS",
+    "VOCAB_SIZE",
+    "build_deepseek_v3",
+    "build_deepseek_v3_mla",
+    "build_kimi_k25",
+    "build_kimi_k25_mla",
+    "build_llama",
+    "build_qwen2",
+    "build_tokenizer",
+    "deepseek_v3_config",
+]
 
 
 # --- Kimi-K2.5: a multimodal wrapper around a DeepSeek-V3 text model ---------
@@ -178,7 +75,7 @@ KIMI_VISION_CONFIG: dict[str, Any] = {
     "video_attn_type": "spatial_temporal",
     "merge_type": "sd2_tpool",
     "mm_projector_type": "patchmerger",
-    "mm_hidden_size": _COMMON["hidden_size"],
+    "mm_hidden_size": COMMON["hidden_size"],
     "projector_hidden_act": "gelu",
     "projector_ln_eps": 1e-5,
 }
@@ -239,7 +136,7 @@ def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     text_config = deepseek_v3_config(**text_overrides)
-    text = _init_model(DeepseekV3Config(**text_config), DeepseekV3ForCausalLM, seed)
+    text = init_model(DeepseekV3Config(**text_config), DeepseekV3ForCausalLM, seed)
     # The text weights as a checkpoint holds them: save_pretrained's names
     # (transformers 5 keeps MoE experts fused in memory and writes them per
     # expert), not the in-memory state_dict's.
@@ -267,9 +164,9 @@ def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
         "text_config": text_dict,
         "vision_config": KIMI_VISION_CONFIG,
         "media_placeholder_token_id": media_pad,
-        "bos_token_id": _COMMON["bos_token_id"],
-        "eos_token_id": _COMMON["eos_token_id"],
-        "pad_token_id": _COMMON["pad_token_id"],
+        "bos_token_id": COMMON["bos_token_id"],
+        "eos_token_id": COMMON["eos_token_id"],
+        "pad_token_id": COMMON["pad_token_id"],
         "torch_dtype": "float32",
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -1,7 +1,7 @@
 """``specshim verify``: check written samples.
 
 By default a few samples are recomputed, with a bounded Hugging Face forward
-or alone through the run's own generator (``specshim._references``), and
+or alone through the run's own generator (``specshim.job.references``), and
 compared per token and per layer; ``--all`` loads every file and checks it
 against the dataset and the run's settings.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from specshim._base import SpecShimError, UsageError
-from specshim._store import CONFIG_NAME, read_config
+from specshim.job.store import CONFIG_NAME, read_config
 
 _NAME = re.compile(r"^data_(\d+)\.pt$")
 
@@ -27,7 +27,7 @@ def agreement(
     the per-sample bar (``mismatch``: direction and length)."""
     import torch
 
-    from specshim.testing.reference import mismatch, norm_ratio, per_token_cosine
+    from specshim.job.agreement import mismatch, norm_ratio, per_token_cosine
 
     per_layer: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     ratios: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
@@ -67,7 +67,7 @@ def hf_agreement(
     model: Path, files: list[tuple[int, Path]], layers: list[int]
 ) -> tuple[dict[int, tuple[float, float, float]], list[str]]:
     """``agreement`` against the bounded HF reference (what ``demo`` uses)."""
-    from specshim._references import HFBounded
+    from specshim.job.references import HFBounded
 
     return agreement(HFBounded(model, layers), files, layers)
 
@@ -187,8 +187,8 @@ def verify_all(
     column: str | None = None,
 ) -> tuple[int, list[str]]:
     """Load every file of ``out`` and check it against ``data`` and the settings."""
-    from specshim._dataset import RecordStream, Tokenizing, warn_truncated
-    from specshim._extract import hidden_size, model_facts
+    from specshim.job.dataset import RecordStream, Tokenizing, warn_truncated
+    from specshim.job.extract import hidden_size, model_facts
 
     config = run_config(out)
     layers = config["layers"]
@@ -232,7 +232,7 @@ def verify(
     tp: int | None = None,
 ) -> tuple[int, list[str]]:
     """Per-layer agreement for ``samples`` files, as lines; 1 if any disagrees."""
-    from specshim import _references
+    from specshim.job import references as _references
 
     config = run_config(out)
     layers = config["layers"]

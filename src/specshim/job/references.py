@@ -31,7 +31,7 @@ _BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 
 def _text_config(model: Path) -> dict[str, Any]:
-    from specshim._extract import _text_config as read_text_config
+    from specshim.job.extract import _text_config as read_text_config
 
     return read_text_config(model)[1]
 
@@ -96,7 +96,7 @@ def available_memory() -> tuple[int, str]:
             return free, f"{torch.cuda.device_count()} accelerator(s)"
     except Exception:  # noqa: BLE001 - no usable accelerator: the CPU's RAM
         pass
-    from specshim._extract import _available_memory
+    from specshim.job.extract import _available_memory
 
     return _available_memory(), "RAM"
 
@@ -155,7 +155,7 @@ class HFBounded:
     """The HF reference, decoder layers 0..deepest only, in the checkpoint dtype."""
 
     def __init__(self, model: Path, layers: list[int]) -> None:
-        from specshim.testing.reference import HFReference
+        from specshim.job.agreement import HFReference
 
         _, dtype = hf_bytes(model, max(layers))
         self.reference = HFReference(str(model), dtype=dtype, layers_up_to=max(layers))

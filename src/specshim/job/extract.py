@@ -7,7 +7,7 @@ hidden temporary name that does not end in ``pt`` and renamed into place, so a
 killed run never leaves a partial file where the trainer would pick it up.
 
 Rerunning the same command resumes. What is already there is judged by
-content (``specshim._store``): a file counts as done only if a manifest line
+content (``specshim.job.store``): a file counts as done only if a manifest line
 describes that very file and says it holds what sample i of the dataset holds
 now; anything else is rewritten, and the run says how many and why. The
 settings (model, layers, max length, vLLM and speculators versions) are fixed
@@ -29,13 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specshim import _settings, _store
+from specshim import _settings
 from specshim._base import PACKAGES, SpecShimError, UsageError
-from specshim._dataset import warn_truncated
-from specshim._feed import Feed, FeedSpec, Todo
 from specshim._settings import DEFAULT_BATCH_SIZE, STEP_DEFAULTS, trust_remote_code
-from specshim._store import final_path
 from specshim._versions import installed_version
+from specshim.job import store as _store
+from specshim.job.dataset import warn_truncated
+from specshim.job.feed import Feed, FeedSpec, Todo
+from specshim.job.store import final_path
 
 logger = logging.getLogger(__name__)
 

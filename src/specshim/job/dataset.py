@@ -20,7 +20,7 @@ from typing import Any
 
 from specshim._base import UsageError
 from specshim._settings import trust_remote_code
-from specshim._store import record_digest
+from specshim.job.store import record_digest
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specshim import _store
 from specshim._base import UsageError
+from specshim.job import store as _store
 
 
 @dataclass
@@ -83,7 +83,7 @@ def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
         runs.append(summary)
     total = None
     if data is not None:
-        from specshim._dataset import RecordStream
+        from specshim.job.dataset import RecordStream
 
         stream = RecordStream(data, **dataset)
         for _ in stream:  # counted, not kept

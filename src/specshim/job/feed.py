@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specshim import _store
 from specshim._base import SpecShimError, UsageError
+from specshim.job import store as _store
 
 # A chunk is sent when it holds this many samples or tokens, or has waited
 # this long; at most QUEUE_CHUNKS chunks wait in the queue.
@@ -126,7 +126,7 @@ def _feed(spec: FeedSpec, out: Any) -> None:
     import signal
 
     from specshim import _settings
-    from specshim._dataset import RecordStream, Tokenizing
+    from specshim.job.dataset import RecordStream, Tokenizing
 
     # Ctrl-C is the main process's to handle; it stops this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -32,7 +32,7 @@ def default_cache() -> Path:
 
 
 def ensure_model(cache: Path) -> Path:
-    from specshim.testing.tiny_models import build_deepseek_v3
+    from specshim.job.tiny_checkpoints import build_deepseek_v3
 
     path = cache / "tiny-deepseek-v3"
     if not (path / "model.safetensors").exists():
@@ -47,8 +47,8 @@ def run(cache: Path | None = None) -> int:
     import shutil
 
     import specshim
-    from specshim._extract import ExtractOptions, extract
-    from specshim._verify import hf_agreement, written_files
+    from specshim.job.extract import ExtractOptions, extract
+    from specshim.job.verify import hf_agreement, written_files
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -97,7 +97,7 @@ def _print_summary(
     failures: list[str],
     out: Path,
 ) -> None:
-    from specshim.testing.reference import MEAN_COSINE, MEAN_NORM
+    from specshim.job.agreement import MEAN_COSINE, MEAN_NORM
 
     applied = [p["id"] for p in report["patches"] if p["state"] == "applied"]
     rate = counts["tokens"] / counts["seconds"] if counts["seconds"] else 0.0
