@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specshim._base import SpecShimError, UsageError
-from specshim._settings import DEFAULT_BATCH_SIZE, KNOBS, STEP_DEFAULTS
-from specshim._versions import TESTED_VLLM
+from specshim._settings import KNOBS
 
 
 @contextlib.contextmanager
@@ -42,35 +41,14 @@ def _checkpoint(args: argparse.Namespace, flag: str = "--model") -> Path:
     """
     from specshim import configure
     from specshim._remote_code import require_consent
-    from specshim.job.extract import _text_config
+    from specshim.job.checkpoint import text_config
 
     model = Path(args.model)
-    _text_config(model, flag)  # a directory with a readable config.json
+    text_config(model, flag)  # a directory with a readable config.json
     if getattr(args, "trust_remote_code", False):
         configure(trust_remote_code=True)
     require_consent(model, flag=True)
     return model
-
-
-def _data_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--split", help="the split of a dataset that has several (default: train)"
-    )
-    parser.add_argument(
-        "--column",
-        help="the field that holds each sample (token ids, text, or chat turns); "
-        "default: input_ids, text, messages or conversations",
-    )
-
-
-def _trust_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow the Python code the checkpoint ships (its auto_map) to run, "
-        "here and in every vLLM worker; a checkpoint with code is refused "
-        "without it (also: SPECSHIM_TRUST_REMOTE_CODE=1)",
-    )
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -143,7 +121,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _extract(args: argparse.Namespace) -> int:
     from specshim.job.dataset import parse_shard
-    from specshim.job.extract import ExtractOptions, extract, parse_layers
+    from specshim.job.extract import extract
+    from specshim.job.options import ExtractOptions, parse_layers
 
     options = ExtractOptions(
         model=_checkpoint(args),
@@ -246,239 +225,33 @@ def _run(args: argparse.Namespace) -> int:
     return 127  # not reached
 
 
-def _command(
-    commands: argparse._SubParsersAction, name: str, summary: str, example: str
-) -> argparse.ArgumentParser:
-    return commands.add_parser(
-        name,
-        help=summary,
-        description=f"{summary}\n\nexample:\n  {example}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-
-
-def _version() -> str:
-    import specshim
-    from specshim._versions import installed_version
-
-    parts = [f"specshim {specshim.__version__}"]
-    for name in ("speculators", "vllm"):
-        parts.append(f"{name} {installed_version(name) or 'not installed'}")
-    return ", ".join(parts)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="specshim",
-        description=(
-            "Run speculators 0.3.0's hidden-state generator, unmodified, on newer "
-            f"vLLM (tested: {TESTED_VLLM[0]} to {TESTED_VLLM[-1]})."
-        ),
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--version", action="version", version=_version())
-    commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
-    for add in (_add_extract, _add_verify, _add_status, _add_tools):
-        add(commands)
-    return parser
+    """The parser (``specshim._cli_parser``), wired to the commands here.
 
+    ``extract``'s defaults are ``ExtractOptions``' own, read when the parser is
+    built so that ``import specshim.cli`` loads nothing of the job.
+    """
+    import dataclasses
 
-def _add_extract(commands: argparse._SubParsersAction) -> None:
-    extract = _command(
-        commands,
-        "extract",
-        "Write speculators training files (data_{i}.pt) for a JSONL dataset. "
-        "Resumable (rerun the same command), shardable (--shard I/N).",
-        "specshim extract --model /models/Kimi-K2.5 --trust-remote-code "
-        "--data chats.jsonl --out hs/ --tp 8 --layers 2,30,58,60",
-    )
-    extract.add_argument("--model", required=True, help="a local checkpoint directory")
-    extract.add_argument(
-        "--data",
-        required=True,
-        help="JSONL, a JSON array (either also gzip/bzip2/xz-compressed), Parquet, "
-        "Arrow, or a datasets directory "
-        "(save_to_disk); each sample has input_ids, text, or "
-        "messages/conversations (ShareGPT from/value turns too)",
-    )
-    extract.add_argument("--out", required=True, help="output directory")
-    extract.add_argument(
-        "--layers",
-        help="comma-separated decoder layer ids (default: speculators' choice)",
-    )
-    extract.add_argument(
-        "--max-model-len",
-        type=int,
-        default=2048,
-        help="longer samples are truncated to max-model-len - 1 tokens, with a "
-        "warning that counts them (speculators' behaviour)",
-    )
-    extract.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    extract.add_argument(
-        "--batch-size",
-        type=int,
-        default=DEFAULT_BATCH_SIZE,
-        help="samples per generate() call (default %(default)s; their captured "
-        "states are held in accelerator memory until the call returns)",
-    )
-    for knob in KNOBS:  # the step budget: flag > environment > extract's default
-        extract.add_argument(
-            knob.flag,
-            type=knob.kind,
-            help=f"{knob.meaning} (speculators: {knob.speculators}; default "
-            f"{STEP_DEFAULTS[knob.name]}, or {knob.env})",
-        )
-    extract.add_argument("--gpu-memory-utilization", type=float, default=0.8)
-    extract.add_argument(
-        "--move-orphans",
-        action="store_true",
-        help="move files of samples the dataset no longer has (a rerun on a "
-        "shorter dataset) to OUT/.specshim/orphans/ instead of stopping with an "
-        "error: speculators' trainer reads every .pt in OUT",
-    )
-    extract.add_argument(
-        "--cpu-kv-space-gib",
-        type=int,
-        help="on a host without an accelerator: vLLM's KV-cache space in GiB "
-        "(default: VLLM_CPU_KVCACHE_SPACE if set, else what the job needs, at "
-        "most half the available memory)",
-    )
-    extract.add_argument(
-        "--shard",
-        help="I/N: take samples i with i %% N == I; auto: the index and count of "
-        "a SLURM job array or a Kubernetes indexed Job (SPECSHIM_SHARD_COUNT)",
-    )
-    _data_flags(extract)
-    _trust_flag(extract)
-    extract.set_defaults(func=_extract)
+    from specshim._cli_parser import build_parser as _build
+    from specshim.job.options import ExtractOptions
 
-
-def _add_verify(commands: argparse._SubParsersAction) -> None:
-    verify = _command(
-        commands,
-        "verify",
-        "Recompute written samples (a bounded Hugging Face forward, or each "
-        "sample alone through the generator) and report per-layer agreement; "
-        "--all checks every file against the dataset. Non-zero exit on any "
-        "disagreement.",
-        "specshim verify --model /models/tiny --out hs/ --samples 8 --reference auto",
-    )
-    verify.add_argument("--model", required=True)
-    verify.add_argument("--out", required=True, help="a directory written by extract")
-    verify.add_argument(
-        "--samples",
-        type=int,
-        help="how many samples to recompute with HF (default 8; with --all: none)",
-    )
-    verify.add_argument(
-        "--all",
-        action="store_true",
-        help="load every file, check its tokens against --data and its shapes "
-        "against the run's settings; name each bad or missing file",
-    )
-    verify.add_argument("--data", help="the dataset extract read (for --all)")
-    _data_flags(verify)
-    verify.add_argument(
-        "--reference",
-        choices=("auto", "hf", "solo"),
-        default="auto",
-        help="recompute with a Hugging Face forward of the layers up to the "
-        "deepest captured one (hf), or each sample alone through the run's own "
-        "generator (solo, any model and TP size); auto: hf if it fits in memory",
-    )
-    verify.add_argument(
-        "--tp",
-        type=int,
-        help="tensor-parallel size for --reference solo (default: the run's)",
-    )
-    verify.add_argument("--seed", type=int, default=0, help="which samples to pick")
-    _trust_flag(verify)
-    verify.set_defaults(func=_verify)
-
-
-def _add_status(commands: argparse._SubParsersAction) -> None:
-    status = _command(
-        commands,
-        "status",
-        "Show how far an extract output directory has got: samples and tokens "
-        "done and missing, per shard, bytes, each run's pace and the ETA. Loads "
-        "no model and reads no output file; exits 1 until the set is complete.",
-        "specshim status --out hs/ --data chats.jsonl",
-    )
-    status.add_argument("--out", required=True, help="a directory written by extract")
-    status.add_argument("--data", help="the dataset (to count what is missing)")
-    _data_flags(status)
-    status.set_defaults(func=_status)
-
-
-def _add_tools(commands: argparse._SubParsersAction) -> None:
-    """demo, run, doctor, check and table."""
-    demo = _command(
-        commands,
-        "demo",
-        "Build a tiny DeepSeek-V3-style MoE (cached), run speculators' unmodified "
-        "generator on vLLM's CPU backend, and check every layer against HF.",
-        "specshim demo",
-    )
-    demo.add_argument(
-        "--cache", help="where to keep the tiny model (~/.cache/specshim)"
-    )
-    demo.set_defaults(func=_demo)
-
-    run = _command(
-        commands,
-        "run",
-        "Run a program with specshim active in it and in its Python children, "
-        "without editing it.",
-        "specshim run -- python scripts/data_generation_offline.py "
-        "--target-model-path ...",
-    )
-    run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
-    run.set_defaults(func=_run)
-
-    doctor = _command(
-        commands,
-        "doctor",
-        "Show versions, the worker plugin, and every patch's state.",
-        "specshim doctor",
-    )
-    doctor.add_argument("--json", action="store_true", help="machine-readable output")
-    doctor.add_argument(
-        "--model",
-        metavar="PATH",
-        help="also show how the generator will load this checkpoint",
-    )
-    _trust_flag(doctor)
-    doctor.set_defaults(func=_doctor)
-
-    check = _command(
-        commands,
-        "check",
-        "Vet the installed vLLM/speculators: every patch target, probe and "
-        "expected state (exit 1 on drift). Run it in CI before a GPU job.",
-        "specshim check",
-    )
-    check.add_argument("--json", action="store_true", help="machine-readable output")
-    check.set_defaults(func=_check)
-
-    table = _command(
-        commands,
-        "table",
-        "Print the patch table (markdown) generated from the patch files; "
-        "--write updates the generated tables in README.md and docs/drift.md.",
-        "specshim table --write README.md --write docs/drift.md",
-    )
-    table.add_argument(
-        "--write",
-        metavar="FILE",
-        action="append",
-        help="update the generated tables in this file (README.md, docs/drift.md); "
-        "repeatable",
-    )
-    table.add_argument(
-        "--drift", action="store_true", help="print the drift table instead"
-    )
-    table.set_defaults(func=_table)
+    defaults = {
+        field.name: field.default
+        for field in dataclasses.fields(ExtractOptions)
+        if field.default is not dataclasses.MISSING
+    }
+    handlers = {
+        "extract": _extract,
+        "verify": _verify,
+        "status": _status,
+        "demo": _demo,
+        "run": _run,
+        "doctor": _doctor,
+        "check": _check,
+        "table": _table,
+    }
+    return _build(handlers, defaults)
 
 
 def main(argv: list[str] | None = None) -> int:

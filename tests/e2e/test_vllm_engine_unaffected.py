@@ -115,6 +115,7 @@ def test_llm_generate_is_unchanged_with_specshim_active(tiny_model_dir):
             "specshim",
             "specshim._base",
             "specshim._hooks",
+            "specshim._knobs",
             "specshim._registry",
             "specshim._remote_code",
             "specshim._settings",

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from specshim.cli import main
-from specshim.job import dataset as _dataset
+
+from .. import dataset_helpers
 
 
 @pytest.fixture
@@ -142,7 +143,7 @@ def test_missing_data_file(tmp_path, capsys, model):
 def test_over_length_samples_are_truncated_with_a_count(tmp_path, model, caplog):
     lines = [json.dumps({"input_ids": [1] * n}) for n in (10, 40, 50)]
     with caplog.at_level(logging.WARNING):
-        samples, total = _dataset.load_samples(
+        samples, total = dataset_helpers.load_samples(
             Path(_data(tmp_path, lines)), Path(model), 320, 31, (0, 1)
         )
     assert total == 3 and [len(s.input_ids) for s in samples] == [10, 31, 31]
@@ -154,7 +155,9 @@ def test_shards_partition_the_dataset(tmp_path, model):
     data = Path(_data(tmp_path, lines))
     seen = []
     for index in range(3):
-        samples, _ = _dataset.load_samples(data, Path(model), 320, 100, (index, 3))
+        samples, _ = dataset_helpers.load_samples(
+            data, Path(model), 320, 100, (index, 3)
+        )
         seen += [s.index for s in samples]
         assert all(s.index % 3 == index for s in samples)
     assert sorted(seen) == list(range(7))
@@ -169,12 +172,12 @@ def test_chat_lines_use_speculators_loss_mask(tmp_path, model):
             ]
         }
     )
-    (sample,), _ = _dataset.load_samples(
+    (sample,), _ = dataset_helpers.load_samples(
         Path(_data(tmp_path, [line])), Path(model), 320, 100, (0, 1)
     )
     assert sum(sample.loss_mask) == 3  # "yo!": one byte token each, assistant only
     text = json.dumps({"text": "abc"})
-    (sample,), _ = _dataset.load_samples(
+    (sample,), _ = dataset_helpers.load_samples(
         Path(_data(tmp_path, [text])), Path(model), 320, 100, (0, 1)
     )
     assert sample.loss_mask == [1] * len(sample.input_ids)
@@ -239,7 +242,7 @@ def test_non_utf8_data_names_the_line(tmp_path, capsys, model):
 def test_utf8_byte_order_mark_is_accepted(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_bytes(b"\xef\xbb\xbf" + OK_LINE.encode() + b"\n")
-    records, total = _dataset.read_records(data)
+    records, total = dataset_helpers.read_records(data)
     assert total == 1 and records[0].data == {"input_ids": [1, 2, 3]}
 
 
@@ -300,7 +303,7 @@ def test_table_into_a_closed_pipe_is_quiet():
 
 
 def test_default_layers_are_distinct():
-    from specshim.job.extract import choose_layers
+    from specshim.job.checkpoint import choose_layers
 
     assert choose_layers(None, 6) == [2, 3, 5]  # speculators would take 2, 3, 3, 5
     assert choose_layers(None, 32) == [2, 16, 29, 31]
@@ -317,22 +320,24 @@ def test_summary_counts_in_words():
 
 
 def test_cpu_kv_space_follows_the_job_and_the_flag(monkeypatch, model):
-    from specshim.job.extract import ExtractOptions, cpu_kv_space, kv_bytes_per_token
+    from specshim.job.checkpoint import kv_bytes_per_token
+    from specshim.job.extract import ExtractOptions
+    from specshim.job.kv_cache import cpu_kv_space
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     options = ExtractOptions(model=Path(model), data=Path("d"), out=Path("o"))
     assert kv_bytes_per_token(Path(model)) > 0
-    assert cpu_kv_space(options, 8192) == (1, "the job's need")
+    assert cpu_kv_space(options, 8192, 0.5) == (1, "the job's need")
     big = ExtractOptions(model=Path(model), data=Path("d"), out=Path("o"))
-    gib, _ = cpu_kv_space(big, 1 << 30)  # a huge step: capped by the machine
+    gib, _ = cpu_kv_space(big, 1 << 30, 0.5)  # a huge step: capped by the machine
     import os
 
     available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert 1 <= gib <= available // 2 // (1 << 30)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
-    assert cpu_kv_space(options, 8192) == (3, "VLLM_CPU_KVCACHE_SPACE")
+    assert cpu_kv_space(options, 8192, 0.5) == (3, "VLLM_CPU_KVCACHE_SPACE")
     options.cpu_kv_space_gib = 2
-    assert cpu_kv_space(options, 8192) == (2, "--cpu-kv-space-gib")
+    assert cpu_kv_space(options, 8192, 0.5) == (2, "--cpu-kv-space-gib")
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from specshim._base import UsageError
-from specshim.job.dataset import parse_shard, read_records, tokenize
+from specshim.job.dataset import parse_shard
+
+from ..dataset_helpers import read_records, tokenize
 
 ROWS = [
     {"input_ids": [5, 6, 7]},

@@ -19,6 +19,7 @@ from specshim.job import extract as _extract
 from specshim.job import feed as _feed
 from specshim.job import status as _status
 from specshim.job import store as _store
+from specshim.job import writer as _writer
 from specshim.job.dataset import RecordStream
 from specshim.job.extract import ExtractOptions, extract
 
@@ -56,7 +57,7 @@ def fake(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(_extract, "_make_generator", make)
-    monkeypatch.setattr(_extract, "_on_cpu", lambda: False)
+    monkeypatch.setattr(_extract, "on_cpu", lambda: False)
     return made
 
 
@@ -114,7 +115,7 @@ def test_writes_overlap_the_next_generate(tmp_path, tiny_model_dir, fake, monkey
     model = tiny_model_dir("llama")
     data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(8)])
     second_generate = threading.Event()
-    save = _extract.save_sample
+    save = _writer.save_sample
 
     def slow_save(run, todo, result):
         if todo.index == 0:
@@ -125,7 +126,7 @@ def test_writes_overlap_the_next_generate(tmp_path, tiny_model_dir, fake, monkey
         fake.append(FakeGenerator(lambda n: n == 2 and second_generate.set()))
         return fake[-1]
 
-    monkeypatch.setattr(_extract, "save_sample", slow_save)
+    monkeypatch.setattr(_writer, "save_sample", slow_save)
     monkeypatch.setattr(_extract, "_make_generator", make)
     counts = extract(_options(model, data, tmp_path / "out"))
     assert counts["written"] == 8 and second_generate.is_set()
@@ -156,14 +157,14 @@ def test_a_bad_line_stops_the_run_after_what_was_generated(
 def test_a_failing_writer_stops_the_run(tmp_path, tiny_model_dir, fake, monkeypatch):
     model = tiny_model_dir("llama")
     data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(40)])
-    save = _extract.save_sample
+    save = _writer.save_sample
 
     def failing_save(run, todo, result):
         if todo.index == 9:
             raise OSError(28, "No space left on device")
         return save(run, todo, result)
 
-    monkeypatch.setattr(_extract, "save_sample", failing_save)
+    monkeypatch.setattr(_writer, "save_sample", failing_save)
     out = tmp_path / "out"
     with pytest.raises(SpecShimError, match=r"writing data_9\.pt failed .*No space"):
         extract(_options(model, data, out))
@@ -200,7 +201,7 @@ def test_a_short_batch_from_the_generator_is_refused(
             return super().generate(batch)[:-1]
 
     monkeypatch.setattr(_extract, "_make_generator", lambda options, layers: Short())
-    monkeypatch.setattr(_extract, "_on_cpu", lambda: False)
+    monkeypatch.setattr(_extract, "on_cpu", lambda: False)
     model = tiny_model_dir("llama")
     data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(4)])
     with pytest.raises(SpecShimError, match="returned 3 results for 4 samples"):

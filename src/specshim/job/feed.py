@@ -1,7 +1,7 @@
 """The feeding half of ``extract``: read, check, plan and tokenize, beside generation.
 
 A spawned process (``specshim-feed``) streams this shard's records
-(``_dataset.RecordStream``), decides for each one whether ``--out`` already
+(``dataset.RecordStream``), decides for each one whether ``--out`` already
 holds it (``_store``: by content, never by name), tokenizes and checks the
 rest, and hands them to the main process in small chunks through a pipe and a
 bounded queue. So the first ``generate()`` waits for one batch, not for the dataset;
@@ -26,10 +26,14 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specshim._base import SpecShimError, UsageError
 from specshim.job import store as _store
+
+if TYPE_CHECKING:
+    from specshim.job.dataset import Record
+    from specshim.job.tokenizing import Tokenizing
 
 # A chunk is sent when it holds this many samples or tokens, or has waited
 # this long; at most QUEUE_CHUNKS chunks wait in the queue.
@@ -75,6 +79,12 @@ class Todo:
         return len(self.input_ids)
 
 
+def _compact_identity(
+    entry: tuple[bytes, bytes, int, int, int, bool],
+) -> tuple[int, int, int]:
+    return entry[2], entry[3], entry[4]
+
+
 class _Known:
     """What the manifests say about this shard's files: index -> entries.
 
@@ -106,13 +116,33 @@ class _Known:
             stat = _store.final_path(self.out, index).stat()
         except FileNotFoundError:
             return False, None
-        # The last entry that describes the file wins, as in ``_store``.
-        for tokens, record, size, inode, mtime_ns, truncated in reversed(
-            self.entries.get(index, ())
-        ):
-            if (size, inode, mtime_ns) == (stat.st_size, stat.st_ino, stat.st_mtime_ns):
-                return True, (tokens, record, truncated)
-        return True, None
+        entry = _store.proving(self.entries.get(index, ()), stat, _compact_identity)
+        return True, None if entry is None else (entry[0], entry[1], entry[5])
+
+
+def _decide(
+    record: Record, known: _Known, tokenizing: Tokenizing, spec: FeedSpec
+) -> tuple[Todo | None, bool, str | None]:
+    """One record: (what to write, or None where a file already holds it;
+    whether the sample is cut to max_len; why an existing file is rewritten)."""
+    exists, proven = known.proven(record.index)
+    if proven is not None and proven[1] == bytes.fromhex(record.digest):
+        return None, proven[2], None  # the same record: not tokenized again
+    sample = tokenizing.sample(record, spec.vocab_size, spec.max_len)
+    digest = _store.token_digest(sample.input_ids, sample.loss_mask)
+    if proven is not None and proven[0] == bytes.fromhex(digest):
+        return None, sample.truncated, None  # another record, the same tokens
+    why = CHANGED_SAMPLE if proven is not None else CHANGED_FILE
+    todo = Todo(
+        record.index,
+        record.where,
+        record.digest,
+        digest,
+        array("i", sample.input_ids),
+        array("b", sample.loss_mask),
+        sample.truncated,
+    )
+    return todo, sample.truncated, why if exists else None
 
 
 def _feed(spec: FeedSpec, out: Any) -> None:
@@ -125,8 +155,8 @@ def _feed(spec: FeedSpec, out: Any) -> None:
     """
     import signal
 
-    from specshim import _settings
-    from specshim.job.dataset import RecordStream, Tokenizing
+    from specshim.job.dataset import RecordStream
+    from specshim.job.tokenizing import Tokenizing
 
     # Ctrl-C is the main process's to handle; it stops this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -138,11 +168,9 @@ def _feed(spec: FeedSpec, out: Any) -> None:
             os._exit(1)
 
     try:
-        if spec.trust_remote_code:
-            _settings.configure(trust_remote_code=True)
         known = _Known(spec.out, spec.shard, spec.max_len)
         stream = RecordStream(spec.data, spec.shard, spec.split, spec.column)
-        tokenizing = Tokenizing(spec.model)
+        tokenizing = Tokenizing(spec.model, spec.trust_remote_code)
         chunk: list[Todo] = []
         # Samples cut to max_len, whichever run wrote them: tokenized now, or
         # already done (the manifest says whether they were cut).
@@ -151,33 +179,15 @@ def _feed(spec: FeedSpec, out: Any) -> None:
         sent = time.monotonic()
         for record in stream:
             samples += 1
-            exists, proven = known.proven(record.index)
-            if proven is not None and proven[1] == bytes.fromhex(record.digest):
-                done += 1  # the same record: no need to tokenize it again
-                truncated += proven[2]
+            todo, cut, why = _decide(record, known, tokenizing, spec)
+            truncated += cut
+            if todo is None:
+                done += 1
             else:
-                sample = tokenizing.sample(record, spec.vocab_size, spec.max_len)
-                truncated += sample.truncated
-                digest = _store.token_digest(sample.input_ids, sample.loss_mask)
-                if proven is not None and proven[0] == bytes.fromhex(digest):
-                    done += 1  # another record, the same tokens
-                else:
-                    # Why an existing file is rewritten (counted for the log).
-                    why = CHANGED_SAMPLE if proven is not None else CHANGED_FILE
-                    if exists:
-                        rewrites[why] = rewrites.get(why, 0) + 1
-                    chunk.append(
-                        Todo(
-                            record.index,
-                            record.where,
-                            record.digest,
-                            digest,
-                            array("i", sample.input_ids),
-                            array("b", sample.loss_mask),
-                            sample.truncated,
-                        )
-                    )
-                    tokens += len(sample.input_ids)
+                chunk.append(todo)
+                tokens += len(todo)
+            if why is not None:
+                rewrites[why] = rewrites.get(why, 0) + 1
             now = time.monotonic()
             if (
                 len(chunk) >= CHUNK_SAMPLES

@@ -31,9 +31,9 @@ _BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 
 def _text_config(model: Path) -> dict[str, Any]:
-    from specshim.job.extract import _text_config as read_text_config
+    from specshim.job.checkpoint import text_config
 
-    return read_text_config(model)[1]
+    return text_config(model)[1]
 
 
 def hf_parameters(config: dict[str, Any], layers_up_to: int) -> int:
@@ -96,9 +96,9 @@ def available_memory() -> tuple[int, str]:
             return free, f"{torch.cuda.device_count()} accelerator(s)"
     except Exception:  # noqa: BLE001 - no usable accelerator: the CPU's RAM
         pass
-    from specshim.job.extract import _available_memory
+    from specshim.job.kv_cache import available_memory
 
-    return _available_memory(), "RAM"
+    return available_memory(), "RAM"
 
 
 def hf_refusal(model: Path, layers: list[int]) -> str | None:

@@ -7,6 +7,7 @@ Cheap by construction: it loads no model and reads no output file, only
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,27 @@ class Status:
         )
 
 
+def _credit_runs(
+    written: dict[int, list[tuple[RunSummary, _store.Entry]]],
+    files: dict[int, os.stat_result],
+) -> dict[int, _store.Entry]:
+    """The entry that proves each file (the store's rule), credited to the run
+    that wrote it."""
+    proven = {}
+    for index, candidates in written.items():
+        found = _store.proving(candidates, files[index], lambda c: c[1].file_identity())
+        if found is None:
+            continue
+        summary, entry = found
+        proven[index] = entry
+        summary.samples += 1
+        summary.tokens += entry.num_tokens
+        stamp = entry.mtime_ns / 1e9
+        summary.first = min(summary.first or stamp, stamp)
+        summary.last = max(summary.last, stamp)
+    return proven
+
+
 def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
     """What ``out`` holds, proven by the manifests (and ``data`` if given)."""
     if not out.is_dir():
@@ -62,25 +84,20 @@ def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
     config = _store.read_config(out)
     files = _store.existing_files(out)
     probe = _store.Run(out)  # only to ask whether a run is alive
-    runs, sizes, proven = [], [], {}
+    runs, sizes = [], []
+    written: dict[int, list[tuple[RunSummary, _store.Entry]]] = {}
     for header, entries in _store.manifests(out):
         shard = header.get("shard")
         summary = RunSummary(header.get("run", "?"), tuple(shard) if shard else None)
         summary.live = probe.is_live(str(summary.run))
         summary.first = float(header.get("started") or 0.0)
         for entry in entries:
-            stat = files.get(entry.index)
-            if stat is None or not entry.describes(stat):
-                continue
-            proven[entry.index] = entry
-            summary.samples += 1
-            summary.tokens += entry.num_tokens
-            stamp = entry.mtime_ns / 1e9
-            summary.first = min(summary.first or stamp, stamp)
-            summary.last = max(summary.last, stamp)
+            if entry.index in files:
+                written.setdefault(entry.index, []).append((summary, entry))
         if (size := header.get("dataset_samples")) is not None:
             sizes.append((float(header.get("finished") or 0), int(size)))
         runs.append(summary)
+    proven = _credit_runs(written, files)
     total = None
     if data is not None:
         from specshim.job.dataset import RecordStream

@@ -31,12 +31,14 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from specshim._base import SpecShimError, UsageError
+
+T = TypeVar("T")
 
 CONFIG_NAME = "data_config.json"
 META = ".specshim"
@@ -92,12 +94,33 @@ class Entry:
             return self.num_tokens >= max_len
         return self.truncated
 
+    def file_identity(self) -> tuple[int, int, int]:
+        return (self.size, self.inode, self.mtime_ns)
+
     def describes(self, stat: os.stat_result) -> bool:
-        return (self.size, self.inode, self.mtime_ns) == (
-            stat.st_size,
-            stat.st_ino,
-            stat.st_mtime_ns,
-        )
+        return self.file_identity() == file_identity(stat)
+
+
+def file_identity(stat: os.stat_result) -> tuple[int, int, int]:
+    """What a manifest entry records of the file it wrote: size, inode, mtime."""
+    return (stat.st_size, stat.st_ino, stat.st_mtime_ns)
+
+
+def proving(
+    candidates: Iterable[T],
+    stat: os.stat_result,
+    identity: Callable[[T], tuple[int, int, int]],
+) -> T | None:
+    """The rule every reader of the manifests follows: of the entries for one
+    file (in the order runs wrote them), the last that describes the file as
+    it is now proves what it holds; ``identity`` gives an entry's
+    (size, inode, mtime). None: no entry vouches for the file."""
+    now = file_identity(stat)
+    found = None
+    for candidate in candidates:
+        if identity(candidate) == now:
+            found = candidate
+    return found
 
 
 def prepare_out(out: Path) -> None:
@@ -344,13 +367,3 @@ def manifest_lines(out: Path) -> Iterator[Entry]:
     """Every entry of every run's manifest."""
     for _, entries in manifests(out):
         yield from entries
-
-
-def proven_files(out: Path, files: dict[int, os.stat_result]) -> dict[int, Entry]:
-    """The entry that describes each existing file as it is now, if any."""
-    proven: dict[int, Entry] = {}
-    for entry in manifest_lines(out):
-        stat = files.get(entry.index)
-        if stat is not None and entry.describes(stat):
-            proven[entry.index] = entry
-    return proven

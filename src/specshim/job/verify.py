@@ -9,14 +9,12 @@ against the dataset and the run's settings.
 from __future__ import annotations
 
 import random
-import re
 from pathlib import Path
 from typing import Any
 
-from specshim._base import SpecShimError, UsageError
-from specshim.job.store import CONFIG_NAME, read_config
-
-_NAME = re.compile(r"^data_(\d+)\.pt$")
+from specshim._base import SpecShimError
+from specshim.job.run_config import run_config
+from specshim.job.store import existing_files, final_path
 
 
 def agreement(
@@ -74,39 +72,7 @@ def hf_agreement(
 
 def written_files(out: Path) -> list[tuple[int, Path]]:
     """(i, path) of every ``data_{i}.pt`` in ``out``, by i."""
-    return sorted(
-        (int(m.group(1)), p) for p in out.iterdir() if (m := _NAME.match(p.name))
-    )
-
-
-def run_config(out: Path) -> dict[str, Any]:
-    """``data_config.json`` of an extract output directory, checked."""
-    if not out.is_dir():
-        raise UsageError(f"--out {out}: no such directory")
-    config = read_config(out)
-    if config is None:
-        raise UsageError(
-            f"{out}: no {CONFIG_NAME}; is this an extract output directory?"
-        )
-    layers = config.get("layers")
-    if not isinstance(layers, list) or not all(_is_int(i) for i in layers):
-        raise SpecShimError(f"{out / CONFIG_NAME} is corrupt: no list of layers")
-    length = config.get("max_model_len")
-    if not _is_int(length) or length < 2:
-        raise SpecShimError(
-            f"{out / CONFIG_NAME} is corrupt: max_model_len is {length!r}, not a "
-            "whole number of at least 2"
-        )
-    tp = config.get("tensor_parallel_size", 1)
-    if tp is not None and (not _is_int(tp) or tp < 1):
-        raise SpecShimError(
-            f"{out / CONFIG_NAME} is corrupt: tensor_parallel_size is {tp!r}"
-        )
-    return config
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return [(i, final_path(out, i)) for i in sorted(existing_files(out))]
 
 
 def _load(path: Path) -> Any:
@@ -187,16 +153,18 @@ def verify_all(
     column: str | None = None,
 ) -> tuple[int, list[str]]:
     """Load every file of ``out`` and check it against ``data`` and the settings."""
-    from specshim.job.dataset import RecordStream, Tokenizing, warn_truncated
-    from specshim.job.extract import hidden_size, model_facts
+    from specshim._settings import trust_remote_code
+    from specshim.job.checkpoint import hidden_size, model_facts, truncation_length
+    from specshim.job.dataset import RecordStream
+    from specshim.job.tokenizing import Tokenizing, warn_truncated
 
     config = run_config(out)
     layers = config["layers"]
     _, vocab_size = model_facts(model)
     width = hidden_size(model)
     stream = RecordStream(data, split=split, column=column)
-    tokenizing = Tokenizing(model)
-    max_len = config["max_model_len"] - 1
+    tokenizing = Tokenizing(model, trust_remote_code())
+    max_len = truncation_length(config["max_model_len"])
     files = dict(written_files(out))
     lines, bad, count = [], 0, 0  # bad: samples missing or wrong
     for record in stream:

@@ -124,19 +124,30 @@ def moonvit_weight_shapes(vision: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
     """A tiny Kimi-K2.5 whose text weights equal ``build_deepseek_v3(seed)``'s."""
-    import shutil
-    import tempfile
-
-    import torch
-    from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    from specshim.testing import kimi_k25_code
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     text_config = deepseek_v3_config(**text_overrides)
     text = init_model(DeepseekV3Config(**text_config), DeepseekV3ForCausalLM, seed)
+    _write_kimi_weights(path, text, seed)
+
+    build_tokenizer(path, extra_special=KIMI_MEDIA_TOKENS)
+    (path / "config.json").write_text(json.dumps(_kimi_config(text), indent=2))
+    preprocessor = _kimi_preprocessor_config()
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    _copy_kimi_code(path)
+    return path
+
+
+def _write_kimi_weights(path: Path, text: Any, seed: int) -> None:
+    """``model.safetensors``: the text model under ``language_model.``, and a
+    random MoonViT and projector (seeded by ``seed + 1``)."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
     # The text weights as a checkpoint holds them: save_pretrained's names
     # (transformers 5 keeps MoE experts fused in memory and writes them per
     # expert), not the in-memory state_dict's.
@@ -153,11 +164,13 @@ def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
         tensors[name] = 0.02 * torch.randn(shape, generator=generator)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
-    build_tokenizer(path, extra_special=KIMI_MEDIA_TOKENS)
+
+def _kimi_config(text: Any) -> dict[str, Any]:
+    """``config.json``: the text model's config wrapped as ``kimi_k25``."""
     media_pad = len(SPECIAL_TOKENS) + 256 + KIMI_MEDIA_TOKENS.index("<|media_pad|>")
     text_dict = text.config.to_dict()
     text_dict.update(topk_method="noaux_tc", scoring_func="sigmoid")
-    config = {
+    return {
         "architectures": ["KimiK25ForConditionalGeneration"],
         "model_type": "kimi_k25",
         "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
@@ -169,9 +182,12 @@ def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
         "pad_token_id": COMMON["pad_token_id"],
         "torch_dtype": "float32",
     }
-    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _kimi_preprocessor_config() -> dict[str, Any]:
+    """``preprocessor_config.json``: the remote-code image processor."""
     processor = "image_processing_kimi_k25.TinyKimiK25ImageProcessor"
-    preprocessor = {
+    return {
         "auto_map": {"AutoImageProcessor": processor},
         "image_processor_type": "TinyKimiK25ImageProcessor",
         "patch_size": KIMI_VISION_CONFIG["patch_size"],
@@ -192,11 +208,17 @@ def build_kimi_k25(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
             "fixed_output_tokens": None,
         },
     }
-    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+
+
+def _copy_kimi_code(path: Path) -> None:
+    """The remote code the ``auto_map`` entries name, next to the weights."""
+    import shutil
+
+    from specshim.testing import kimi_k25_code
+
     code = Path(kimi_k25_code.__file__).parent
     for name in ("configuration_kimi_k25.py", "image_processing_kimi_k25.py"):
         shutil.copyfile(code / name, path / name)
-    return path
 
 
 # The latent width vLLM's CPU MLA kernels take (kv_lora_rank + qk_rope_head_dim

@@ -126,8 +126,16 @@ def prove_rows(sequences: list[Any], record: dict[str, Any]) -> list[int]:
     Returns the first captured row of each sequence; raises ``SpecShimError``
     naming what is missing, duplicated or unprovable.
     """
-    from collections import defaultdict, deque
+    token_ids, positions, rows = _checked_record(record)
+    begin, strays = _match_runs(sequences, token_ids, positions, rows)
+    missing = [i for i, b in enumerate(begin) if b is None]
+    if missing or strays:
+        raise _misalignment(missing, strays, len(sequences))
+    return [int(b) for b in begin if b is not None]
 
+
+def _checked_record(record: dict[str, Any]) -> tuple[Any, Any, list[int]]:
+    """The record's token ids, positions and rows per forward, once they add up."""
     problems = record.get("problems") or []
     if problems:
         raise SpecShimError(
@@ -141,6 +149,16 @@ def prove_rows(sequences: list[Any], record: dict[str, Any]) -> list[int]:
             f"the workers recorded {token_ids.numel()} token ids and "
             f"{positions.numel()} positions for {sum(rows)} captured rows"
         )
+    return token_ids, positions, rows
+
+
+def _match_runs(
+    sequences: list[Any], token_ids: Any, positions: Any, rows: list[int]
+) -> tuple[list[int | None], int]:
+    """Each sequence's first row (None: no run matched it), and how many runs
+    of captured rows matched no sequence."""
+    from collections import defaultdict, deque
+
     owners: dict[bytes, deque[int]] = defaultdict(deque)
     for index, ids in enumerate(sequences):
         owners[_key(ids)].append(index)
@@ -154,28 +172,30 @@ def prove_rows(sequences: list[Any], record: dict[str, Any]) -> list[int]:
                 begin[waiting.popleft()] = s
             else:
                 strays += 1
-    missing = [i for i, b in enumerate(begin) if b is None]
-    if missing or strays:
-        detail = []
-        if missing:
-            shown = ", ".join(str(i) for i in missing[:8])
-            more = " ..." if len(missing) > 8 else ""
-            detail.append(
-                f"no rows computed for sequence(s) {shown}{more} "
-                f"({len(missing)} of {len(sequences)})"
-            )
-        if strays:
-            detail.append(
-                f"{strays} run(s) of captured rows belong to no input sequence "
-                "(duplicated, padded or foreign rows)"
-            )
-        raise SpecShimError(
-            "hidden states do not line up with the input sequences: "
-            + "; ".join(detail)
-            + ". Returning them would misalign training data. "
-            + _CAUSES
+    return begin, strays
+
+
+def _misalignment(missing: list[int], strays: int, total: int) -> SpecShimError:
+    """The error for sequences without rows and rows without a sequence."""
+    detail = []
+    if missing:
+        shown = ", ".join(str(i) for i in missing[:8])
+        more = " ..." if len(missing) > 8 else ""
+        detail.append(
+            f"no rows computed for sequence(s) {shown}{more} "
+            f"({len(missing)} of {total})"
         )
-    return [int(b) for b in begin if b is not None]
+    if strays:
+        detail.append(
+            f"{strays} run(s) of captured rows belong to no input sequence "
+            "(duplicated, padded or foreign rows)"
+        )
+    return SpecShimError(
+        "hidden states do not line up with the input sequences: "
+        + "; ".join(detail)
+        + ". Returning them would misalign training data. "
+        + _CAUSES
+    )
 
 
 def _key(ids: Any) -> bytes:

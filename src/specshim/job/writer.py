@@ -1,0 +1,176 @@
+"""Writing samples: each ``data_{i}.pt`` under a temporary name, recorded in
+the run's manifest, then renamed into place (``save_sample``); a writer
+thread one batch deep, so batch k is written while batch k+1 generates; and
+the progress bar or log line."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+from specshim._base import SpecShimError
+from specshim.job import store as _store
+from specshim.job.feed import Todo
+from specshim.job.store import final_path
+
+logger = logging.getLogger("specshim.job.extract")
+
+
+def save_sample(run: _store.Run, todo: Todo, result: dict[str, Any]) -> int:
+    """Write one sample under a temporary name, record it, rename it into place."""
+    import torch
+
+    ids = torch.frombuffer(todo.input_ids, dtype=torch.int32).to(torch.long)
+    returned = result["input_ids"]
+    if returned.shape != ids.shape or not torch.equal(returned.to(torch.long), ids):
+        raise SpecShimError(
+            f"sample {todo.index} ({todo.where}): the generator returned other "
+            "input ids than it was given"
+        )
+    data = {
+        "input_ids": returned,
+        "hidden_states": result["hidden_states"],
+        "loss_mask": torch.frombuffer(todo.loss_mask, dtype=torch.int8).to(torch.long),
+    }
+    final = final_path(run.out, todo.index)
+    tmp = run.partial_path(final.name)
+    torch.save(data, tmp)
+    stat = tmp.stat()
+    run.record(
+        _store.Entry(
+            index=todo.index,
+            tokens=todo.tokens,
+            record=todo.record,
+            size=stat.st_size,
+            inode=stat.st_ino,
+            mtime_ns=stat.st_mtime_ns,
+            num_tokens=len(todo),
+            truncated=todo.truncated,
+        )
+    )
+    os.replace(tmp, final)
+    return stat.st_size
+
+
+class Progress:
+    """A bar on a terminal; otherwise a log line at most every 30 seconds."""
+
+    def __init__(self, bar: bool) -> None:
+        self.done = self.tokens = 0
+        self.started = self.last_log = time.monotonic()
+        self.bar = None
+        if bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(unit="sample", dynamic_ncols=True)
+
+    def update(self, samples: int, tokens: int) -> None:
+        self.done += samples
+        self.tokens += tokens
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        rate = self.tokens / elapsed
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{rate:,.0f} tok/s")
+            self.bar.update(samples)
+        elif time.monotonic() - self.last_log >= 30:
+            self.last_log = time.monotonic()
+            logger.info(
+                "extract: %d samples written, %.0f tok/s (specshim status --out "
+                "DIR --data D shows what is left)",
+                self.done,
+                rate,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Writer:
+    """Writes batch k's files while batch k+1 generates: a thread, one batch deep.
+
+    ``put`` blocks while a batch waits (backpressure: at most one batch
+    generating, one waiting and one being written). The first failure stops
+    the thread; the next ``put``, ``check`` or ``finish`` raises it.
+    """
+
+    def __init__(self, run: _store.Run, progress: Progress) -> None:
+        self.run, self.progress = run, progress
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self.written = self.tokens = 0
+        self.error: SpecShimError | None = None
+        self.thread = threading.Thread(
+            target=self._loop, name="specshim-writer", daemon=True
+        )
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            batch, results = item
+            todo = batch[0]
+            try:
+                for todo, result in zip(batch, results, strict=True):
+                    save_sample(self.run, todo, result)
+                    self.written += 1
+                    self.tokens += len(todo)
+                self.progress.update(len(batch), sum(len(t) for t in batch))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                self.error = SpecShimError(
+                    f"writing data_{todo.index}.pt failed "
+                    f"({type(exc).__name__}: {exc}); the run stopped. The "
+                    f"{self.written} samples it wrote are complete: fix the "
+                    "cause (disk space, quota, permissions) and rerun the "
+                    "same command to resume."
+                )
+                self.error.__cause__ = exc
+                return
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if not self.thread.is_alive() and not self.queue.empty():
+            raise SpecShimError(
+                "the writer thread stopped with batches still to write (a "
+                "specshim bug; please report it); rerun the same command to resume"
+            )
+
+    def put(self, batch: list[Todo], results: list[dict[str, Any]]) -> None:
+        while True:
+            self.check()
+            if not self.thread.is_alive():
+                raise SpecShimError(
+                    "the writer thread is gone (a specshim bug; please report "
+                    "it); rerun the same command to resume"
+                )
+            try:
+                self.queue.put((batch, results), timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def finish(self) -> None:
+        """Write what is queued, stop the thread; raise its failure if any."""
+        while self.thread.is_alive():
+            try:
+                self.queue.put(None, timeout=0.5)
+                break
+            except queue.Full:
+                continue
+        self.thread.join()
+        self.check()
+
+
+def drain(writer: Writer) -> None:
+    """Let the writer finish what is queued while another error stops the run;
+    its own failure, if any, is logged rather than lost."""
+    try:
+        writer.finish()
+    except SpecShimError as exc:
+        logger.error("extract: %s", exc)
