@@ -5,6 +5,7 @@ failure stops the run after writing what was already generated."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -415,3 +416,28 @@ def test_a_damaged_data_config_is_one_line(
         lines = run.stderr.strip().splitlines()
         assert run.returncode == 1 and len(lines) == 1, run.stderr[-2000:]
         assert message in lines[0]
+
+
+@pytest.mark.parametrize("before", [None, "7"])
+def test_the_cpu_kv_cache_variable_is_set_for_the_generator_only(
+    tmp_path, tiny_model_dir, fake, monkeypatch, before
+):
+    """On the CPU platform the job sizes vLLM's KV cache for the workers the
+    generator starts; the process's environment is as it was afterwards."""
+    model = tiny_model_dir("llama")
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(3)])
+    if before is None:
+        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", before)
+    seen = []
+
+    def make(options, layers):
+        seen.append(os.environ.get("VLLM_CPU_KVCACHE_SPACE"))
+        return FakeGenerator()
+
+    monkeypatch.setattr(_extract, "_make_generator", make)
+    monkeypatch.setattr(_extract, "on_cpu", lambda: True)
+    extract(_options(model, data, tmp_path / "out", cpu_kv_space_gib=3))
+    assert seen == ["3"]  # the flag wins over the variable, while it starts
+    assert os.environ.get("VLLM_CPU_KVCACHE_SPACE") == before

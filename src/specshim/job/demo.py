@@ -50,7 +50,6 @@ def run(cache: Path | None = None) -> int:
     from specshim.job.extract import ExtractOptions, extract
     from specshim.job.verify import hf_agreement, written_files
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cache = cache or default_cache()
     model = ensure_model(cache)

@@ -176,16 +176,18 @@ class Solo:
         from speculators.data_generation import VllmHiddenStatesGenerator
 
         import specshim  # noqa: F401  (arms the patches before speculators loads)
+        from specshim.job.kv_cache import VARIABLE, cpu_kv_cache_space
 
-        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip():
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # one sequence at a time
         self.layers = layers
-        self.generator = VllmHiddenStatesGenerator(
-            str(model),
-            layer_ids=layers,
-            max_model_len=max_model_len,
-            tensor_parallel_size=tp,
-        )
+        # One sequence at a time: 1 GiB of CPU KV cache, unless the user set it.
+        given = os.environ.get(VARIABLE, "").strip()
+        with cpu_kv_cache_space(None if given else 1):
+            self.generator = VllmHiddenStatesGenerator(
+                str(model),
+                layer_ids=layers,
+                max_model_len=max_model_len,
+                tensor_parallel_size=tp,
+            )
 
     def states(self, ids: list[int], layers: list[int]) -> list[Any]:
         if layers != self.layers:
