@@ -131,7 +131,31 @@ class Registry:
                 raise SpecShimError(
                     f"patches target modules that are not hooked: {stray}"
                 )
+            self._check_requires()
             self._warn_unknown_disabled()
+
+    def _check_requires(self) -> None:
+        """Every patch a patch relies on is registered."""
+        for patch in self._patches.values():
+            unknown = [r for r in patch.requires if r not in self._patches]
+            if unknown:
+                raise SpecShimError(
+                    f"patch {patch.id!r} requires unknown patch(es) {unknown}"
+                )
+
+    def turned_off_with(self, patch: Patch) -> list[str]:
+        """The patches ``patch`` relies on, directly or not, that
+        SPECSHIM_DISABLE turns off (then it is turned off with them)."""
+        off, seen, todo = [], set(), list(patch.requires)
+        while todo:
+            needed = todo.pop(0)
+            if needed in seen or needed not in self._patches:
+                continue
+            seen.add(needed)
+            if needed in disabled_ids():
+                off.append(needed)
+            todo.extend(self._patches[needed].requires)
+        return off
 
     def apply(self) -> None:
         """Arm every patch. Idempotent; safe to call from every vLLM process."""
@@ -184,7 +208,7 @@ class Registry:
             for record in self._records.values():
                 pending = record.state is State.PENDING
                 if record.patch.module == module.__name__ and pending:
-                    _apply_one(record, module)
+                    _apply_one(record, module, self)
                     if record.state is State.APPLIED:
                         applied.append(record.patch.id)
         if applied:
@@ -232,12 +256,19 @@ def revert() -> None:
     REGISTRY.revert()
 
 
-def _apply_one(record: PatchRecord, module: Any) -> None:
+def _apply_one(record: PatchRecord, module: Any, registry: Registry) -> None:
     from specshim._types import Incompatible, NotNeeded, State
 
     patch = record.patch
     if patch.id in disabled_ids() or "all" in disabled_ids():
         record.state, record.detail = State.DISABLED, "SPECSHIM_DISABLE"
+        return
+    needed_off = registry.turned_off_with(patch) if patch.requires else []
+    if needed_off:
+        record.state = State.DISABLED
+        record.detail = (
+            f"needs {', '.join(needed_off)}, which SPECSHIM_DISABLE turns off"
+        )
         return
     try:
         owner, name = _resolve_owner(module, patch.attribute)
@@ -263,6 +294,7 @@ def _apply_one(record: PatchRecord, module: Any) -> None:
         record.state, record.detail = State.FAILED, f"{type(exc).__name__}: {exc}"
         _complain(record, "a probe that runs to a verdict", record.detail)
         return
+    owned, raw = _own_value(owner, name, original)  # before it is replaced
     try:
         replacement = patch.build(None if original is _MISSING else original)
         setattr(owner, name, replacement)
@@ -272,6 +304,7 @@ def _apply_one(record: PatchRecord, module: Any) -> None:
         return
     record.owner, record.original = owner, original
     record.had_attribute = original is not _MISSING
+    record.owned, record.raw = owned, raw
     record.state = State.APPLIED
     record.detail = "replaced" if record.had_attribute else "added"
     _log().debug("specshim: %s %s (%s)", record.detail, patch.target, patch.id)
@@ -285,10 +318,23 @@ def _resolve_owner(module: Any, attribute: str) -> tuple[Any, str]:
     return owner, name
 
 
+def _own_value(owner: Any, name: str, found: Any) -> tuple[bool, Any]:
+    """What ``owner`` itself holds under ``name``. A class is read through its
+    own ``__dict__`` (the MRO lookup that ``getattr`` does would hand back an
+    inherited function, or a classmethod already bound); a module's attribute
+    is its own."""
+    if isinstance(owner, type):
+        own = vars(owner)
+        return name in own, own.get(name)
+    return found is not _MISSING, None if found is _MISSING else found
+
+
 def _restore(record: PatchRecord) -> None:
+    """Put back exactly what the owner held: its own value (a descriptor as
+    it was), or nothing, so that an inherited attribute is inherited again."""
     name = record.patch.attribute.rsplit(".", 1)[-1]
-    if record.had_attribute:
-        setattr(record.owner, name, record.original)
+    if record.owned:
+        setattr(record.owner, name, record.raw)
     else:
         delattr(record.owner, name)
 

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from specshim._base import GENERATOR, PACKAGES
-from specshim._registry import records
+from specshim._registry import REGISTRY, records
 from specshim._settings import settings, strict, trust_remote_code
 from specshim._types import State
 from specshim._versions import (
@@ -54,7 +54,8 @@ def _allowed_plugins() -> list[str] | None:
 def report() -> dict[str, Any]:
     """Versions, plugin status, and each patch's state in this process."""
     patches = []
-    for record in records():
+    every = records()
+    for record in every:
         patch = record.patch
         patches.append(
             {
@@ -67,6 +68,14 @@ def report() -> dict[str, Any]:
                 "version_advice": version_advice(patch),
                 "drift_rows": list(patch.drift_rows),
                 "optional": patch.optional,
+                "requires": list(patch.requires),
+                # Other patches wrapping the same target, in the order applied.
+                "stacked_with": [
+                    r.patch.id
+                    for r in every
+                    if r.patch.target == patch.target and r.patch.id != patch.id
+                ],
+                "turned_off_with": REGISTRY.turned_off_with(patch),
             }
         )
     release, release_why = vllm_release_status()
@@ -119,6 +128,12 @@ def _advice(patches: list[dict[str, Any]]) -> list[str]:
     if too_new:
         advice.append(too_new)
     for item in patches:
+        if item["turned_off_with"] and item["state"] != State.DISABLED.value:
+            off = ", ".join(item["turned_off_with"])
+            advice.append(
+                f"SPECSHIM_DISABLE turns off {off}, which patch {item['id']} needs: "
+                f"{item['id']} is turned off with it wherever it would apply."
+            )
         if item["state"] in (State.INCOMPATIBLE.value, State.FAILED.value):
             advice.append(
                 f"Patch {item['id']} is {item['state']}: {item['detail']}. Check "

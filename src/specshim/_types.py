@@ -63,6 +63,8 @@ class Patch:
     optional: bool = False
     replaces: bool = False
     platform: str = ""  # "cpu": needed only on that vLLM platform
+    # Patches this one relies on: turned off with any of them (SPECSHIM_DISABLE).
+    requires: tuple[str, ...] = ()
 
     @property
     def summary(self) -> str:
@@ -82,3 +84,8 @@ class PatchRecord:
     owner: Any = field(default=None, repr=False)
     original: Any = field(default=None, repr=False)
     had_attribute: bool = True
+    # What the owner itself held under the name (a class's own ``__dict__``
+    # entry, a classmethod as the descriptor), restored on revert; ``owned``
+    # False: the name was inherited or absent, and revert deletes it again.
+    owned: bool = True
+    raw: Any = field(default=None, repr=False)

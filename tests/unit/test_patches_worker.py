@@ -109,7 +109,7 @@ def worker_module(monkeypatch):
     module = ModuleType(_util.WORKER)
     module.supports_eagle3 = eagle3_gate._build(lambda model: False)
     monkeypatch.setitem(sys.modules, _util.WORKER, module)
-    monkeypatch.setattr(capture_hooks, "_tp_rank", lambda: 0)
+    monkeypatch.setattr(capture_hooks, "tp_rank", lambda: 0)
     return module
 
 
@@ -150,7 +150,7 @@ def test_setup_twice_does_not_double_capture(worker_module):
 
 
 def test_only_tp_rank_zero_captures(worker_module, monkeypatch):
-    monkeypatch.setattr(capture_hooks, "_tp_rank", lambda: 1)
+    monkeypatch.setattr(capture_hooks, "tp_rank", lambda: 1)
     stack = Stack()
     ext = Extension(CausalLM(stack))
     capture_hooks.setup_hidden_states_capture(ext, [1])

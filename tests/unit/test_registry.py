@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from specshim import _registry, _versions
-from specshim._base import SpecShimError, SpecShimWarning
+from specshim._base import HOOKED_MODULES, SpecShimError, SpecShimWarning
 from specshim._types import Incompatible, NotNeeded, Patch, State
 
 SOURCE = """
@@ -374,3 +374,92 @@ def test_a_transformers_speculators_cannot_import_is_named(
     if refused:
         assert "install transformers<5.24" in advice
         assert advice in _report.report()["advice"]
+
+
+INHERITED = """
+class Base:
+    def size(self):
+        return 1
+
+    @classmethod
+    def make(cls):
+        return cls.__name__
+
+class Child(Base):
+    pass
+"""
+
+
+def test_a_patch_on_an_inherited_method_is_undone_by_inheritance(
+    isolated_registry, fake_module
+):
+    """getattr finds Base.size through the MRO; putting that back on Child would
+    shadow Base for good. Revert restores what Child itself held: nothing."""
+    module = importlib.import_module(fake_module(INHERITED))
+    _patch(
+        module.__name__,
+        attribute="Child.size",
+        build=lambda original: lambda self: original(self) + 1,
+    )
+    _registry.apply()
+    assert module.Child().size() == 2 and module.Base().size() == 1
+    _registry.revert()
+    assert "size" not in vars(module.Child)
+    module.Base.size = lambda self: 5  # Child follows its base again
+    assert module.Child().size() == 5
+
+
+def test_a_classmethod_comes_back_as_the_descriptor_it_was(
+    isolated_registry, fake_module
+):
+    module = importlib.import_module(fake_module(INHERITED))
+    descriptor = vars(module.Base)["make"]
+    _patch(
+        module.__name__,
+        attribute="Base.make",
+        build=lambda original: classmethod(lambda cls: "patched " + original()),
+    )
+    _registry.apply()
+    assert module.Base.make() == "patched Base"
+    _registry.revert()
+    assert vars(module.Base)["make"] is descriptor
+    assert module.Child.make() == "Child"  # still bound to the class it is called on
+
+
+def test_requires_names_a_registered_patch(isolated_registry):
+    _registry.REGISTRY._loaded = False
+    hooked = HOOKED_MODULES[0]
+    _registry.REGISTRY._loader = lambda: _patch(hooked, requires=("no-such",))
+    with pytest.raises(SpecShimError, match=r"'shout' requires unknown .*no-such"):
+        _registry.REGISTRY.load()
+
+
+def test_a_patch_is_turned_off_with_a_patch_it_requires(
+    isolated_registry, fake_module, monkeypatch
+):
+    monkeypatch.setenv("SPECSHIM_DISABLE", "base")
+    module = importlib.import_module(fake_module(SOURCE))
+    original = module.greet
+    _patch(module.__name__, id="base", attribute="Thing.size")
+    _patch(module.__name__, id="middle", attribute="Thing.size", requires=("base",))
+    _patch(module.__name__, requires=("middle",))  # through "middle"
+    _registry.apply()
+    assert module.greet is original
+    record = _registry.REGISTRY.record("shout")
+    assert record.state is State.DISABLED
+    assert record.detail == "needs base, which SPECSHIM_DISABLE turns off"
+
+
+def test_doctor_names_a_partial_disable(monkeypatch):
+    """The real declarations: request-args relies on generate-guard's hasher."""
+    from specshim._report import report
+
+    monkeypatch.setenv("SPECSHIM_DISABLE", "generate-guard")
+    data = report()
+    entry = next(p for p in data["patches"] if p["id"] == "request-args")
+    assert entry["requires"] == ["generate-guard"]
+    assert entry["turned_off_with"] == ["generate-guard"]
+    assert any(
+        "turns off generate-guard, which patch request-args needs" in line
+        for line in data["advice"]
+    )

@@ -249,6 +249,7 @@ def declare(
     replaces: bool = False,
     platform: str = "",
     module: str | None = None,
+    requires: tuple[str, ...] = (),
 ) -> Patch:
     """Register the patch of the file ``file`` (its ``__name__``).
 
@@ -281,5 +282,6 @@ def declare(
             optional=optional,
             replaces=replaces,
             platform=platform,
+            requires=requires,
         )
     )

@@ -95,4 +95,5 @@ PATCH = declare(
     probe=_probe,
     build=lambda original: adapt_kwargs(original, _adapt(parameters(original))),
     drift_rows=(6, 15),
+    requires=("generate-guard",),  # it sets the block hasher (set_block_hasher)
 )

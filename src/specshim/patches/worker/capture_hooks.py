@@ -84,7 +84,7 @@ class _Capture:
         return on_output
 
 
-def _tp_rank() -> int:
+def tp_rank() -> int:
     from vllm.distributed import get_tp_group
 
     return int(get_tp_group().rank_in_group)
@@ -114,7 +114,7 @@ def setup_hidden_states_capture(self: Any, layer_ids: list[int]) -> None:
     start = getattr(stack, "start_layer", 0)
     end = getattr(stack, "end_layer", len(stack.layers))
     chosen = sorted(i for i in self._layer_ids if start <= i < end)
-    if _tp_rank() == 0 and chosen:
+    if tp_rank() == 0 and chosen:
         capture = _Capture(self, chosen)
         for index in chosen:
             layer = stack.layers[index]

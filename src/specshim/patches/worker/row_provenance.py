@@ -153,9 +153,9 @@ def _arm(extension: Any) -> None:
         handle.remove()
     extension._specshim_provenance_hooks = []
     extension._specshim_provenance = None
-    from specshim.patches.worker.capture_hooks import _tp_rank
+    from specshim.patches.worker.capture_hooks import tp_rank
 
-    if _tp_rank() != 0:
+    if tp_rank() != 0:
         return
     model = extension.model_runner.model
     stack = find_decoder_stack(model)

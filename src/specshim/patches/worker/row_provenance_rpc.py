@@ -44,4 +44,5 @@ PATCH = declare(
     probe=_probe,
     build=lambda original: row_provenance,
     replaces=True,
+    requires=("row-provenance",),  # it returns what row-provenance records
 )
