@@ -78,6 +78,7 @@ def build_parser(
     for add in (
         _add_verify,
         _add_status,
+        _add_export,
         _add_demo,
         _add_run,
         _add_doctor,
@@ -245,6 +246,36 @@ def _add_status(
     status.add_argument("--data", help="the dataset (to count what is missing)")
     _data_flags(status)
     status.set_defaults(func=handlers["status"])
+
+
+def _add_export(
+    commands: argparse._SubParsersAction, handlers: Mapping[str, Handler]
+) -> None:
+    export = _command(
+        commands,
+        "export",
+        "Write a complete extract output in the layout today's speculators "
+        "trains from (an Arrow dataset and hidden_states/hs_{i}.safetensors, "
+        "layer ids mapped to its convention), checking every sample against "
+        "its source. Reruns resume; specshim_export.json, written last, says "
+        "how to train on it.",
+        "specshim export --out hs/ --to speculators hs-new/",
+    )
+    export.add_argument("--out", required=True, help="a directory written by extract")
+    export.add_argument(
+        "--to", required=True, choices=["speculators"], help="the trainer's layout"
+    )
+    export.add_argument("dest", help="the directory to write (new, or an export)")
+    export.add_argument(
+        "--model", help="the model directory (default: the one data_config.json names)"
+    )
+    export.add_argument(
+        "--dtype",
+        default="source",
+        choices=["source", "bfloat16", "float32"],
+        help="dtype of the stored states (default: as extracted)",
+    )
+    export.set_defaults(func=handlers["export"])
 
 
 def _add_demo(

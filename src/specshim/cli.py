@@ -200,6 +200,29 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if status.complete else 1
 
 
+def _export(args: argparse.Namespace) -> int:
+    from specshim.job.export import ExportOptions, export
+
+    counts = export(
+        ExportOptions(
+            out=Path(args.out),
+            dest=Path(args.dest),
+            to=args.to,
+            model=Path(args.model) if args.model else None,
+            dtype=args.dtype,
+        )
+    )
+    ids = ",".join(map(str, counts["target_layer_ids"]))
+    print(
+        f"specshim export: {counts['samples']} samples in {args.dest} "
+        f"({counts['written']} written, {counts['kept']} already there, each "
+        f"checked against its source); layers {counts['source_layers']} are "
+        f"{counts['layer_ids']} in speculators >= 0.5's convention. Train with "
+        f"--data-path {args.dest} --target-layer-ids {ids}"
+    )
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     from specshim._run import refuse_unpatched
 
@@ -245,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         "extract": _extract,
         "verify": _verify,
         "status": _status,
+        "export": _export,
         "demo": _demo,
         "run": _run,
         "doctor": _doctor,

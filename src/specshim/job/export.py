@@ -1,0 +1,285 @@
+"""``specshim export``: an extract's output in the layout today's speculators
+trains from (``--to speculators``; read from speculators 0.9.0's own
+``speculators.train.data.ArrowDataset``, see docs/notes/export-layouts.md).
+
+DEST holds a ``datasets.save_to_disk`` dataset (``input_ids``, ``loss_mask``,
+``seq_len``; torch format) whose row i is sample i, and
+``hidden_states/hs_{i}.safetensors`` with ``token_ids`` and ``hidden_states``
+``[seq, layers, hidden]``. speculators 0.3.0's layer id k is the *output* of
+decoder layer k; from 0.5 an id names the state *entering* that layer, so k
+becomes k + 1, and the last slot is taken as the verifier's last hidden state
+(pre-norm: the trainer applies the final norm). The export therefore needs
+the final decoder layer among the captured ones, and training needs
+``--target-layer-ids`` = the mapped ids of the others, which
+``specshim_export.json`` records.
+
+Every sample is checked after it is written: the file read back holds the
+source's token ids and, bit for bit, its states in the chosen dtype. A rerun
+resumes: a file the export's own manifest describes (source and destination
+unchanged) is kept. ``specshim_export.json`` is written last: without it the
+export is not whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specshim._base import SpecShimError, UsageError
+from specshim.job.run_config import run_config
+from specshim.job.store import file_identity, final_path
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "speculators>=0.5 (ArrowDataset + hidden_states/hs_{i}.safetensors)"
+TESTED_WITH = "speculators 0.9.0"
+MARKER = "specshim_export.json"
+_META = ".specshim-export"
+DTYPES = ("source", "bfloat16", "float32")
+
+
+@dataclass
+class ExportOptions:
+    out: Path  # the extract output (speculators 0.3.0 layout)
+    dest: Path
+    to: str = "speculators"
+    model: Path | None = None  # default: the model data_config.json names
+    dtype: str = "source"
+
+
+def layer_mapping(layers: list[int], num_layers: int) -> dict[str, Any]:
+    """speculators 0.3.0's captured ids in the newer convention, checked."""
+    if len(layers) < 2:
+        raise UsageError(
+            f"the extract captured layers {layers}: the newer trainers need at "
+            "least one auxiliary layer besides the final one"
+        )
+    if layers[-1] != num_layers - 1:
+        raise UsageError(
+            f"the extract's last captured layer is {layers[-1]}, not the model's "
+            f"final decoder layer {num_layers - 1}: speculators >= 0.5 takes the "
+            "last slot as the verifier's last hidden state. Re-extract with "
+            f"--layers ending in {num_layers - 1}"
+        )
+    mapped = [k + 1 for k in layers]
+    return {
+        "source_layers": layers,
+        "source_convention": "speculators 0.3.0: id k = output of decoder layer k",
+        "layer_ids": mapped,
+        "convention": "vLLM / speculators >= 0.5: id k = state entering layer k",
+        "target_layer_ids": mapped[:-1],
+        "verifier_last_slot": mapped[-1],
+        "final_norm": "not applied (the trainer applies the verifier's norm)",
+    }
+
+
+def stacked(states: list[Any], dtype: str) -> Any:
+    """The per-layer states of one sample as ``[seq, layers, hidden]``."""
+    import torch
+
+    stack = torch.stack(states, dim=1)
+    return stack if dtype == "source" else stack.to(getattr(torch, dtype))
+
+
+def export(options: ExportOptions) -> dict[str, Any]:
+    """Write or finish the export; returns counts. Raises UsageError on a
+    source it cannot vouch for, SpecShimError where a written file disagrees."""
+    if options.to != "speculators":
+        raise UsageError(f"--to {options.to!r}: the known layout is 'speculators'")
+    if options.dtype not in DTYPES:
+        raise UsageError(f"--dtype {options.dtype!r}: choose one of {DTYPES}")
+    config = run_config(options.out)
+    model = _model(options, config)
+    from specshim.job.checkpoint import model_facts
+
+    mapping = layer_mapping(list(config["layers"]), model_facts(model)[0])
+    total = _complete_source(options.out)
+    marker = _prepare_dest(options, mapping, total)
+    written = kept = 0
+    manifest = _Manifest(options.dest / _META / "manifest.jsonl")
+    for index in range(total):
+        if manifest.holds(index, options.out, options.dest):
+            kept += 1
+            continue
+        manifest.add(index, options.out, options.dest, _write_one(options, index))
+        written += 1
+    manifest.close()
+    _write_arrow(options, total)
+    marker.write_text(
+        json.dumps(_marker(config, mapping, total, options), indent=2) + "\n"
+    )
+    return {"samples": total, "written": written, "kept": kept, **mapping}
+
+
+def _model(options: ExportOptions, config: dict[str, Any]) -> Path:
+    model = options.model or Path(str(config.get("model", "")))
+    if not (model / "config.json").is_file():
+        raise UsageError(
+            f"the model {model} named in {options.out}/data_config.json is not "
+            "here; give its directory with --model"
+        )
+    return model
+
+
+def _complete_source(out: Path) -> int:
+    """The dataset's size, where every sample of it is proven in ``out``."""
+    from specshim.job.status import collect
+
+    status = collect(out)
+    if not status.complete or status.total is None:
+        what = (
+            "no finished extract run recorded the dataset's size"
+            if status.total is None
+            else f"{len(status.missing)} missing, {len(status.unproven)} unproven, "
+            f"{len(status.orphans)} of no sample"
+        )
+        raise UsageError(
+            f"{out} is not a complete extract ({what}); the trainer reads row i "
+            "as sample i, so every sample is needed. Rerun the extract to finish "
+            "it (`specshim status --out` shows what is left)"
+        )
+    return status.total
+
+
+def _prepare_dest(options: ExportOptions, mapping: dict[str, Any], total: int) -> Path:
+    dest = options.dest
+    if dest.resolve() == options.out.resolve():
+        raise UsageError("--to DEST must be another directory than --out")
+    marker = dest / MARKER
+    if marker.exists():
+        before = json.loads(marker.read_text(encoding="utf-8"))
+        if before.get("layer_mapping") != mapping or before.get("dtype") != (
+            options.dtype
+        ):
+            raise UsageError(
+                f"{dest} holds an export of other settings; use another "
+                "directory or remove it"
+            )
+        marker.unlink()  # the export is whole again only once it is rewritten
+    elif dest.exists() and any(dest.iterdir()) and not (dest / _META).is_dir():
+        raise UsageError(f"{dest} exists and is not a specshim export; pick a new one")
+    (dest / "hidden_states").mkdir(parents=True, exist_ok=True)
+    (dest / _META).mkdir(exist_ok=True)
+    return marker
+
+
+def _write_one(options: ExportOptions, index: int) -> list[int]:
+    """Write ``hs_{index}.safetensors``, read it back, compare; returns the
+    source's file identity as the manifest records it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from specshim.job.verify import load_sample
+
+    source = final_path(options.out, index)
+    identity = list(file_identity(source.stat()))
+    data, why = load_sample(source)
+    if data is None:
+        raise SpecShimError(f"{source} {why}; run `specshim verify --all`")
+    ids = data["input_ids"].to(torch.int64).contiguous()
+    states = stacked(data["hidden_states"], options.dtype).contiguous()
+    target = options.dest / "hidden_states" / f"hs_{index}.safetensors"
+    tmp = target.with_name(f".{target.name}.partial")
+    save_file({"token_ids": ids, "hidden_states": states}, str(tmp))
+    back = load_file(str(tmp))
+    if not (
+        torch.equal(back["token_ids"], ids)
+        and back["hidden_states"].dtype == states.dtype
+        and torch.equal(back["hidden_states"], states)
+    ):
+        tmp.unlink()
+        raise SpecShimError(f"hs_{index}.safetensors read back differs from {source}")
+    os.replace(tmp, target)
+    return identity
+
+
+class _Manifest:
+    """index -> (source identity, destination identity), appended as written."""
+
+    def __init__(self, path: Path) -> None:
+        self.entries: dict[int, list[int]] = {}
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    index, *identities = json.loads(line)
+                except (json.JSONDecodeError, ValueError, TypeError):
+                    continue  # a line torn by a killed run
+                self.entries[int(index)] = identities
+        self.handle = path.open("a", encoding="utf-8")
+
+    def holds(self, index: int, out: Path, dest: Path) -> bool:
+        recorded = self.entries.get(index)
+        target = dest / "hidden_states" / f"hs_{index}.safetensors"
+        if recorded is None or not target.is_file():
+            return False
+        now = [*file_identity(final_path(out, index).stat())]
+        return recorded == now + [*file_identity(target.stat())]
+
+    def add(self, index: int, out: Path, dest: Path, source: list[int]) -> None:
+        target = dest / "hidden_states" / f"hs_{index}.safetensors"
+        line = [index, *source, *file_identity(target.stat())]
+        self.handle.write(json.dumps(line) + "\n")
+        self.handle.flush()
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def _write_arrow(options: ExportOptions, total: int) -> None:
+    """The token table, row i = sample i, in torch format (as the trainer's
+    own ``prepare-data`` saves it), replacing any earlier one."""
+    import torch
+    from datasets import Dataset, Features, Sequence, Value
+
+    def rows() -> Any:
+        for index in range(total):
+            data = torch.load(
+                final_path(options.out, index), weights_only=True, mmap=True
+            )
+            ids = data["input_ids"].to(torch.int64).tolist()
+            mask = data["loss_mask"].to(torch.int64).tolist()
+            yield {"input_ids": ids, "loss_mask": mask, "seq_len": len(ids)}
+
+    features = Features(
+        {
+            "input_ids": Sequence(Value("int64")),
+            "loss_mask": Sequence(Value("int64")),
+            "seq_len": Value("int64"),
+        }
+    )
+    cache = options.dest / _META / "cache"
+    table = Dataset.from_generator(rows, features=features, cache_dir=str(cache))
+    table.set_format(type="torch")
+    staging = options.dest / _META / "arrow"
+    shutil.rmtree(staging, ignore_errors=True)
+    table.save_to_disk(str(staging))
+    for old in options.dest.glob("data-*.arrow"):
+        old.unlink()
+    for item in staging.iterdir():
+        os.replace(item, options.dest / item.name)
+    shutil.rmtree(cache, ignore_errors=True)
+
+
+def _marker(
+    config: dict[str, Any], mapping: dict[str, Any], total: int, options: ExportOptions
+) -> dict[str, Any]:
+    import specshim
+
+    ids = ",".join(map(str, mapping["target_layer_ids"]))
+    return {
+        "format": FORMAT,
+        "tested_with": TESTED_WITH,
+        "samples": total,
+        "dtype": options.dtype,
+        "layer_mapping": mapping,
+        "train_with": f"--data-path {options.dest} --target-layer-ids {ids}",
+        "source": str(options.out.resolve()),
+        "source_model_fingerprint": config.get("model_fingerprint"),
+        "max_model_len": config["max_model_len"],
+        "specshim": specshim.__version__,
+    }

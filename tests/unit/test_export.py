@@ -1,0 +1,164 @@
+"""``specshim export`` on an extract written by the real pipeline with a
+stand-in generator (states that are a function of layer and token): the
+layout, the layer mapping, resuming, and what it refuses. The newest
+speculators' own reader of the result runs in tests/export (``make
+test-export``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from specshim._base import UsageError
+from specshim.job import extract as _extract
+from specshim.job.export import ExportOptions, export
+from specshim.job.options import ExtractOptions
+
+LAYERS = [1, 3, 5]  # the tiny Llama has 6 decoder layers: 5 is the final one
+
+
+class LayeredGenerator:
+    """Layer k's state of token t is [t, k, 0, 0] (exact in bfloat16)."""
+
+    def __init__(self, layers: list[int]) -> None:
+        self.layers = layers
+        self.executor = self
+
+    def generate(self, batch: list[list[int]]) -> list[dict[str, Any]]:
+        return [
+            {
+                "input_ids": torch.tensor(ids),
+                "hidden_states": [
+                    torch.tensor([[t, k, 0, 0] for t in ids], dtype=torch.bfloat16)
+                    for k in self.layers
+                ],
+            }
+            for ids in batch
+        ]
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def source(tmp_path, tiny_model_dir, monkeypatch):
+    def make(layers=LAYERS, samples=5):
+        monkeypatch.setattr(
+            _extract,
+            "_make_generator",
+            lambda options, chosen: LayeredGenerator(chosen),
+        )
+        monkeypatch.setattr(_extract, "on_cpu", lambda: False)
+        data = tmp_path / "d.jsonl"
+        data.write_text(
+            "".join(
+                json.dumps({"input_ids": list(range(1, 3 + i))}) + "\n"
+                for i in range(samples)
+            )
+        )
+        out = tmp_path / "hs"
+        model = tiny_model_dir("llama")
+        _extract.extract(
+            ExtractOptions(model=model, data=data, out=out, layers=layers, batch_size=2)
+        )
+        return model, out
+
+    return make
+
+
+def test_the_export_is_the_layout_and_mapping_the_newer_trainer_reads(source, tmp_path):
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+
+    model, out = source()
+    dest = tmp_path / "new"
+    counts = export(ExportOptions(out=out, dest=dest, model=model))
+    assert (counts["samples"], counts["written"], counts["kept"]) == (5, 5, 0)
+    marker = json.loads((dest / "specshim_export.json").read_text())
+    mapping = marker["layer_mapping"]
+    assert mapping["layer_ids"] == [2, 4, 6]  # output of layer k = input of k + 1
+    assert mapping["target_layer_ids"] == [2, 4] and mapping["verifier_last_slot"] == 6
+    assert marker["train_with"].endswith("--target-layer-ids 2,4")
+    table = load_from_disk(str(dest))
+    assert table.format["type"] == "torch" and len(table) == 5
+    for i in range(5):
+        ids = list(range(1, 3 + i))
+        row = table[i]
+        assert row["input_ids"].tolist() == ids and int(row["seq_len"]) == len(ids)
+        assert row["loss_mask"].tolist() == [1] * len(ids)
+        stored = load_file(str(dest / "hidden_states" / f"hs_{i}.safetensors"))
+        assert stored["token_ids"].dtype == torch.int64
+        assert stored["token_ids"].tolist() == ids
+        states = stored["hidden_states"]
+        assert states.dtype == torch.bfloat16 and tuple(states.shape) == (
+            len(ids),
+            3,
+            4,
+        )
+        for slot, k in enumerate(LAYERS):  # slots in layer order, final one last
+            assert states[:, slot, 0].tolist() == ids
+            assert states[:, slot, 1].tolist() == [k] * len(ids)
+
+
+def test_a_rerun_keeps_what_is_checked_and_rewrites_what_changed(source, tmp_path):
+    model, out = source()
+    dest = tmp_path / "new"
+    export(ExportOptions(out=out, dest=dest, model=model))
+    (dest / "hidden_states" / "hs_3.safetensors").unlink()
+    counts = export(ExportOptions(out=out, dest=dest, model=model))
+    assert (counts["written"], counts["kept"]) == (1, 4)
+    with pytest.raises(UsageError, match="export of other settings"):
+        export(ExportOptions(out=out, dest=dest, model=model, dtype="float32"))
+
+
+def test_a_layer_set_without_the_final_layer_is_refused(source, tmp_path):
+    model, out = source(layers=[1, 3, 4])
+    with pytest.raises(UsageError, match="not the model's final decoder layer 5"):
+        export(ExportOptions(out=out, dest=tmp_path / "new", model=model))
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_incomplete_extract_is_refused(source, tmp_path):
+    model, out = source()
+    (out / "data_2.pt").unlink()
+    with pytest.raises(UsageError, match=r"not a complete extract \(1 missing"):
+        export(ExportOptions(out=out, dest=tmp_path / "new", model=model))
+
+
+def test_float32_states_are_the_source_converted(source, tmp_path):
+    from safetensors.torch import load_file
+
+    model, out = source()
+    dest = tmp_path / "f32"
+    export(ExportOptions(out=out, dest=dest, model=model, dtype="float32"))
+    stored = load_file(str(dest / "hidden_states" / "hs_0.safetensors"))
+    original = torch.load(out / "data_0.pt", weights_only=True)["hidden_states"]
+    assert torch.equal(stored["hidden_states"], torch.stack(original, 1).float())
+
+
+def test_another_directory_is_never_written_into(source, tmp_path):
+    model, out = source()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="is not a specshim export"):
+        export(ExportOptions(out=out, dest=other, model=model))
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+
+
+def test_the_cli_says_how_to_train(source, tmp_path, capsys):
+    from specshim.cli import main
+
+    model, out = source()
+    code = main(
+        ["export", "--out", str(out), "--to", "speculators", str(tmp_path / "n")]
+        + ["--model", str(model)]
+    )
+    assert code == 0
+    said = capsys.readouterr().out
+    assert "5 samples" in said and "--target-layer-ids 2,4" in said
+    assert Path(tmp_path / "n" / "specshim_export.json").is_file()
