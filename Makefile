@@ -8,7 +8,7 @@ UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.specshim-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit test-e2e test-gpu test-matrix bench bench-extract demo doctor lint clean
+.PHONY: setup test test-unit test-e2e test-gpu test-export test-matrix bench bench-extract demo doctor lint clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,17 @@ test-gpu:
 		-r requirements/gpu-stack.txt -e .
 	$(GPU_VENV)/bin/python -m pytest tests/gpu -p timeout --timeout 900 $(PYTEST_ARGS)
 
+# `specshim export` read by the newest speculators' own dataset class: a peer
+# environment (.venv-export, requirements/export-peer.txt) runs the reader,
+# .venv runs the extract and the export. ~4 min; not in `make test`.
+EXPORT_VENV := .venv-export
+test-export: setup
+	test -x $(EXPORT_VENV)/bin/python || $(UV) venv -q --python $(PY) $(EXPORT_VENV)
+	$(UV) pip install -q --python $(EXPORT_VENV)/bin/python --index-strategy unsafe-best-match \
+		-r requirements/export-peer.txt -e .
+	SPECSHIM_EXPORT_PYTHON=$(EXPORT_VENV)/bin/python VLLM_CPU_KVCACHE_SPACE=1 \
+		$(PY) -m pytest tests/export -ra $(PYTEST_ARGS)
+
 # One environment per vLLM release (.venv-vllm<ver>): every release specshim
 # calls tested (specshim._versions.TESTED_VLLM), or VERSIONS=0.11.0,0.16.0 for
 # a subset. Writes matrix/results/ and the README's compatibility table.
@@ -78,4 +89,4 @@ lint: setup
 	$(VENV)/bin/ruff format --check src tests matrix benchmarks
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) .venv-vllm* .venv-bench-* .pytest_cache matrix/results/*.log benchmarks/.cache
+	rm -rf $(VENV) $(GPU_VENV) $(EXPORT_VENV) .venv-vllm* .venv-bench-* .pytest_cache matrix/results/*.log benchmarks/.cache
