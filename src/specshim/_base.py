@@ -32,8 +32,9 @@ class SpecShimWarning(UserWarning):
     """An optional patch could not be applied."""
 
 
-# speculators 0.3.0's two modules that the patches target: the generator (main
-# process) and its worker extension (inside every vLLM worker).
+# The three modules whose import arms the patches: speculators 0.3.0's
+# generator (main process) and its worker extension (inside every vLLM worker),
+# and transformers' config module, which speculators needs before it imports.
 GENERATOR = "speculators.data_generation.vllm_hidden_states_generator"
 WORKER = "speculators.data_generation.custom_worker"
 # What speculators needs of its dependencies before it can even be imported

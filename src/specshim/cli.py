@@ -55,13 +55,13 @@ def _doctor(args: argparse.Namespace) -> int:
     import specshim
 
     # vLLM logs to stdout; keep stdout for the report itself (valid --json).
-    from specshim.compat import TARGET_MODULES
+    from specshim._base import HOOKED_MODULES
 
     if args.model:
         _checkpoint(args)
     with _stdout_to_stderr():
         failures = []
-        for name in TARGET_MODULES:
+        for name in HOOKED_MODULES:
             try:
                 importlib.import_module(name)
             except SpecShimError as exc:

@@ -5,7 +5,8 @@ included, before it resolves ``worker_extension_cls``; so importing specshim
 here arms the worker patches before speculators' extension module is imported.
 
 In a vLLM process that never imports speculators this only arms import hooks
-for speculators' two modules: no patch applies and nothing of vLLM changes.
+for the three hooked modules (speculators' two, transformers' config module):
+no patch of speculators applies and nothing of vLLM changes.
 ``SPECSHIM_DISABLE=all`` turns even that off: the plugin then imports nothing
 (which is why it lives outside ``specshim``, whose import arms the hooks).
 """

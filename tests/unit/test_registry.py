@@ -343,7 +343,7 @@ def test_on_an_untested_release_the_probe_decides_unless_strict(monkeypatch):
     'not needed'. check reports that and passes; strict, it fails."""
     from specshim import compat
 
-    for name in compat.TARGET_MODULES:
+    for name in HOOKED_MODULES:
         importlib.import_module(name)
     monkeypatch.setattr(_versions, "installed_version", lambda package: "0.33.0")
     monkeypatch.delenv("SPECSHIM_STRICT", raising=False)

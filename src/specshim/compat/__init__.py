@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from specshim._base import HOOKED_MODULES as TARGET_MODULES
+from specshim._base import HOOKED_MODULES
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def _import_targets() -> list[Check]:
     from specshim._base import SpecShimError
 
     checks = []
-    for name in TARGET_MODULES:
+    for name in HOOKED_MODULES:
         try:
             importlib.import_module(name)
         except (SpecShimError, ImportError) as exc:

@@ -145,11 +145,11 @@ def _decide(
     return todo, sample.truncated, why if exists else None
 
 
-def _feed(spec: FeedSpec, out: Any) -> None:
+def _feed(spec: FeedSpec, pipe: Any) -> None:
     """The feeding process: sends ("chunk", todos, done, rewrites), then ("end", ...).
 
     Or ("usage", message) for bad input, ("crash", traceback) for anything else.
-    ``out`` is the write end of a pipe only the main process reads: a send
+    ``pipe`` is the write end of a pipe only the main process reads: a send
     blocks while the main process is behind (backpressure), and fails once it
     is gone, which ends this process at once.
     """
@@ -163,7 +163,7 @@ def _feed(spec: FeedSpec, out: Any) -> None:
 
     def put(item: tuple[Any, ...]) -> None:
         try:
-            out.send(item)
+            pipe.send(item)
         except OSError:  # BrokenPipeError: nobody reads any more
             os._exit(1)
 

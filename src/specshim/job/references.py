@@ -22,7 +22,6 @@ from typing import Any
 
 from specshim._base import SpecShimError
 
-MODES = ("auto", "hf", "solo")
 GIB = 1 << 30
 # Of the memory available now, how much a bounded HF reference may take
 # (activations, the reference states and the interpreter need the rest).
