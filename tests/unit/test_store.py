@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from specshim.job import store as _store
 
 
@@ -101,3 +103,23 @@ def _proven(out, files):
         if entry is not None:
             found[index] = entry
     return found
+
+
+def test_a_runs_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    """(root ignores permission bits, so the refusal is simulated at the write)"""
+    from pathlib import Path
+
+    from specshim._base import UsageError
+
+    _store.prepare_out(tmp_path)
+    write = Path.write_text
+
+    def refuse(path, *args, **kwargs):
+        if path.parent.name == "runs":
+            raise PermissionError(13, "Permission denied")
+        return write(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    run = _store.Run(tmp_path)
+    with pytest.raises(UsageError, match=r"cannot write .*runs \(Permission denied\)"):
+        run.start()

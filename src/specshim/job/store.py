@@ -185,7 +185,16 @@ class Run:
     # -- liveness ---------------------------------------------------------
 
     def start(self) -> None:
-        self.heartbeat.write_text(json.dumps({"pid": os.getpid(), "host": self.host}))
+        try:
+            self.heartbeat.write_text(
+                json.dumps({"pid": os.getpid(), "host": self.host})
+            )
+        except OSError as exc:
+            raise UsageError(
+                f"--out {self.out}: cannot write {self.heartbeat.parent} "
+                f"({exc.strerror or exc}), where each run says it is alive; make "
+                "it writable"
+            ) from None
         self._thread = threading.Thread(
             target=self._beat, name="specshim-heartbeat", daemon=True
         )
