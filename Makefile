@@ -8,7 +8,7 @@ UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.specshim-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit test-e2e test-gpu test-export test-matrix bench bench-extract demo doctor lint clean
+.PHONY: setup test test-extended test-unit test-e2e test-gpu test-export test-matrix bench bench-extract demo doctor lint clean
 
 setup: $(STAMP)
 
@@ -22,8 +22,13 @@ $(STAMP): pyproject.toml requirements/cpu-stack.txt requirements/overrides.txt
 	$(PY) -c "import specshim, sys; assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
 	touch $@
 
+# Every tier but the cases marked `extended` (siblings of cases it runs; CI's
+# minutes): `make test-extended` runs those.
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not extended" $(PYTEST_ARGS)
+
+test-extended: setup
+	$(PY) -m pytest -m extended $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest tests/unit tests/contract $(PYTEST_ARGS)

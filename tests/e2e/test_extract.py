@@ -213,6 +213,9 @@ def test_kill_9_mid_run_then_resume_writes_each_sample_once(
     _assert_complete(out, data, hf_reference, model)
 
 
+# `extended` (make test-extended): make test checks sharded output against the
+# dataset and the reference in test_three_shards_started_apart_share_one_directory.
+@pytest.mark.extended
 def test_shards_equal_one_unsharded_run(tmp_path, tiny_model_dir):
     model = tiny_model_dir("qwen2")
     data = _dataset(tmp_path / "d.jsonl", 11, 5, 200, seed=2)

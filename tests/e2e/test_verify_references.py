@@ -52,7 +52,12 @@ def _verify(model: Path, out: Path, reference: str, *extra: str):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
 
 
-@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
+# DeepSeek-V3 (MoE) is `extended` (make test-extended): the references are the
+# same code for both models, and make test checks each on Llama.
+@pytest.fixture(
+    scope="module",
+    params=["llama", pytest.param("deepseek_v3", marks=pytest.mark.extended)],
+)
 def tampered(request, tiny_model_dir, tmp_path_factory):
     model = tiny_model_dir(request.param)
     root = tmp_path_factory.mktemp(f"verify-{request.param}")

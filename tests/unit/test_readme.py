@@ -56,3 +56,31 @@ def test_compat_table_round_trips():
     text = f"x\n{matrix.TABLE.begin}\n\n{matrix.TABLE.end}\ny"
     text = matrix.TABLE.render(text, matrix.compat_table(results))
     assert matrix._table_states(text) == {r["version"]: r["states"] for r in results}
+
+
+def test_readme_column_of_the_installed_release_is_what_doctor_says():
+    """The release `make test` runs on (CI's matrix step checks the oldest and
+    newest): its column is what `specshim doctor` finds here, as the matrix
+    records it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from specshim._versions import installed_version
+
+    matrix = _matrix_module()
+    version = installed_version("vllm").split("+")[0]
+    column = matrix._table_states(README.read_text()).get(version)
+    assert column is not None, f"vLLM {version} is not in the README's table"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    env.pop("SPECSHIM_DISABLE", None)
+    doctor = subprocess.run(
+        [sys.executable, "-m", "specshim", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    states = {p["id"]: p["state"] for p in json.loads(doctor.stdout)["patches"]}
+    assert states == column, "the README's table disagrees with doctor here"
