@@ -212,14 +212,19 @@ def _export(args: argparse.Namespace) -> int:
             dtype=args.dtype,
         )
     )
-    ids = ",".join(map(str, counts["target_layer_ids"]))
     print(
         f"specshim export: {counts['samples']} samples in {args.dest} "
         f"({counts['written']} written, {counts['kept']} already there, each "
         f"checked against its source); layers {counts['source_layers']} are "
         f"{counts['layer_ids']} in speculators >= 0.5's convention. Train with "
-        f"--data-path {args.dest} --target-layer-ids {ids}"
+        f"{counts['train_with']}"
     )
+    for layer, row in zip(counts["layer_ids"], counts["agreement"] or (), strict=False):
+        print(
+            f"  fp8 vs the extracted states, layer {layer}: mean cosine "
+            f"{row['mean_cosine']:.4f} (lowest {row['lowest_cosine']:.4f}), "
+            f"mean norm ratio {row['mean_norm_ratio']:.4f}"
+        )
     return 0
 
 

@@ -35,16 +35,17 @@ def exported(tmp_path_factory, tiny_model_dir):
     model = tiny_model_dir("llama")
     out, dest = root / "hs", root / "new"
     _run_ok(_command(model, _dataset(root / "d.jsonl", 9, 1, 200), out))
-    _run_ok(
-        [sys.executable, "-m", "specshim", "export", "--out", str(out)]
-        + ["--to", "speculators", str(dest)]
-    )
+    for target, extra in ((dest, []), (root / "fp8", ["--dtype", "fp8"])):
+        _run_ok(
+            [sys.executable, "-m", "specshim", "export", "--out", str(out)]
+            + ["--to", "speculators", str(target), *extra]
+        )
     return model, out, dest
 
 
-def _read(dest: Path, out: Path, model: Path) -> dict:
+def _read(dest: Path, out: Path, model: Path, *extra: str) -> dict:
     run = subprocess.run(
-        [str(PEER), str(READER), str(dest), str(out), str(model)],
+        [str(PEER), str(READER), str(dest), str(out), str(model), *extra],
         capture_output=True,
         text=True,
         timeout=600,
@@ -98,3 +99,16 @@ def test_slots_out_of_order_fail_the_check(exported, tmp_path):
     result = _read(broken, out, model)
     assert result["problem_count"] >= 9, result
     assert any("last slot is not the final layer" in p for p in result["problems"])
+
+
+def test_an_fp8_export_reads_through_speculators_fp8_backend(exported):
+    """The states come back within the agreement bar (HF's layers included);
+    how far from the source the export itself reported."""
+    model, out, dest = exported
+    fp8 = dest.parent / "fp8"
+    result = _read(fp8, out, model, "fp8")
+    print("fp8 read with speculators", result["speculators"], result)
+    assert result["rows"] == 9 and result["problems"] == []
+    marker = json.loads((fp8 / "specshim_export.json").read_text())
+    print("fp8 agreement the export reported", marker["agreement"])
+    assert all(row["mean_cosine"] > 0.99 for row in marker["agreement"])

@@ -162,3 +162,35 @@ def test_the_cli_says_how_to_train(source, tmp_path, capsys):
     said = capsys.readouterr().out
     assert "5 samples" in said and "--target-layer-ids 2,4" in said
     assert Path(tmp_path / "n" / "specshim_export.json").is_file()
+
+
+def test_fp8_is_what_speculators_fp8_backend_dequantizes_and_its_cost_is_said(
+    source, tmp_path
+):
+    """float8 e4m3 with one float32 scale per token over all its layers: the
+    file holds both, a reader's fp8 * scale is close to the source, and the
+    export reports how close, per layer."""
+    from safetensors.torch import load_file
+
+    model, out = source()
+    dest = tmp_path / "fp8"
+    counts = export(ExportOptions(out=out, dest=dest, model=model, dtype="fp8"))
+    assert counts["train_with"].endswith("--hidden-states-backend fp8")
+    stored = load_file(str(dest / "hidden_states" / "hs_4.safetensors"))
+    assert stored["hidden_states"].dtype == torch.float8_e4m3fn
+    scales = stored["hidden_states_scales"]
+    assert scales.dtype == torch.float32 and tuple(scales.shape) == (6, 1, 1)
+    back = stored["hidden_states"].float() * scales
+    original = torch.stack(
+        torch.load(out / "data_4.pt", weights_only=True)["hidden_states"], 1
+    ).float()
+    assert torch.allclose(back, original, rtol=0.07, atol=0)  # e4m3: 3 mantissa bits
+    assert not torch.equal(back, original)  # it is lossy, hence the report
+    marker = json.loads((dest / "specshim_export.json").read_text())
+    assert marker["agreement"] == counts["agreement"] and len(counts["agreement"]) == 3
+    for row in counts["agreement"]:
+        assert 0.99 < row["lowest_cosine"] <= row["mean_cosine"] <= 1.0
+        assert abs(row["mean_norm_ratio"] - 1) < 0.05
+    # Kept files keep their recorded agreement: a rerun reports the same.
+    again = export(ExportOptions(out=out, dest=dest, model=model, dtype="fp8"))
+    assert again["kept"] == 5 and again["agreement"] == counts["agreement"]

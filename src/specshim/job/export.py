@@ -40,7 +40,11 @@ FORMAT = "speculators>=0.5 (ArrowDataset + hidden_states/hs_{i}.safetensors)"
 TESTED_WITH = "speculators 0.9.0"
 MARKER = "specshim_export.json"
 _META = ".specshim-export"
-DTYPES = ("source", "bfloat16", "float32")
+DTYPES = ("source", "bfloat16", "float32", "fp8")
+# fp8: float8 e4m3 with one float32 scale per token over all its layers, the
+# payload speculators' ``fp8`` hidden-states backend dequantizes on reading
+# (``hs_connectors``: ``hidden_states_scales``, ``fp8 * scale``).
+FP8_SCALES = "hidden_states_scales"
 
 
 @dataclass
@@ -83,7 +87,53 @@ def stacked(states: list[Any], dtype: str) -> Any:
     import torch
 
     stack = torch.stack(states, dim=1)
-    return stack if dtype == "source" else stack.to(getattr(torch, dtype))
+    return stack if dtype in ("source", "fp8") else stack.to(getattr(torch, dtype))
+
+
+def encoded(stack: Any, dtype: str) -> dict[str, Any]:
+    """What the file stores of ``stack``: the states, and for fp8 the scales."""
+    import torch
+
+    if dtype != "fp8":
+        return {"hidden_states": stack.contiguous()}
+    fp8 = torch.float8_e4m3fn
+    peak = stack.float().abs().amax(dim=(1, 2), keepdim=True)
+    scales = (peak / torch.finfo(fp8).max).clamp(min=1e-12)
+    return {
+        "hidden_states": (stack.float() / scales).to(fp8).contiguous(),
+        FP8_SCALES: scales.contiguous(),
+    }
+
+
+def decoded(stored: dict[str, Any]) -> Any:
+    """The states a reader gets back from ``encoded``'s output, in float32."""
+    states = stored["hidden_states"].float()
+    return states * stored[FP8_SCALES] if FP8_SCALES in stored else states
+
+
+def _agreement(source: Any, stored: dict[str, Any]) -> list[list[float]]:
+    """Per layer: mean and lowest per-token cosine, mean norm ratio of what a
+    reader gets back against the source."""
+    from specshim.job.agreement import norm_ratio, per_token_cosine
+
+    back = decoded(stored)
+    rows = []
+    for k in range(source.shape[1]):
+        cos = per_token_cosine(back[:, k], source[:, k])
+        ratio = norm_ratio(back[:, k], source[:, k])
+        rows.append([cos.mean().item(), cos.min().item(), ratio.mean().item()])
+    return rows
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bit-equal tensors of one dtype (float8 compared as bytes)."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.float8_e4m3fn:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
 
 
 def export(options: ExportOptions) -> dict[str, Any]:
@@ -106,14 +156,21 @@ def export(options: ExportOptions) -> dict[str, Any]:
         if manifest.holds(index, options.out, options.dest):
             kept += 1
             continue
-        manifest.add(index, options.out, options.dest, _write_one(options, index))
+        manifest.add(index, options.dest, _write_one(options, index))
         written += 1
     manifest.close()
     _write_arrow(options, total)
-    marker.write_text(
-        json.dumps(_marker(config, mapping, total, options), indent=2) + "\n"
-    )
-    return {"samples": total, "written": written, "kept": kept, **mapping}
+    result = _marker(config, mapping, total, options)
+    result["agreement"] = manifest.agreement(total)
+    marker.write_text(json.dumps(result, indent=2) + "\n")
+    return {
+        "samples": total,
+        "written": written,
+        "kept": kept,
+        "agreement": result["agreement"],
+        "train_with": result["train_with"],
+        **mapping,
+    }
 
 
 def _model(options: ExportOptions, config: dict[str, Any]) -> Path:
@@ -168,9 +225,10 @@ def _prepare_dest(options: ExportOptions, mapping: dict[str, Any], total: int) -
     return marker
 
 
-def _write_one(options: ExportOptions, index: int) -> list[int]:
+def _write_one(options: ExportOptions, index: int) -> tuple[list[int], Any]:
     """Write ``hs_{index}.safetensors``, read it back, compare; returns the
-    source's file identity as the manifest records it."""
+    source's file identity as the manifest records it, and for fp8 what a
+    reader gets back against the source, per layer."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -182,34 +240,33 @@ def _write_one(options: ExportOptions, index: int) -> list[int]:
     if data is None:
         raise SpecShimError(f"{source} {why}; run `specshim verify --all`")
     ids = data["input_ids"].to(torch.int64).contiguous()
-    states = stacked(data["hidden_states"], options.dtype).contiguous()
+    stack = stacked(data["hidden_states"], options.dtype)
+    payload = {"token_ids": ids, **encoded(stack, options.dtype)}
     target = options.dest / "hidden_states" / f"hs_{index}.safetensors"
     tmp = target.with_name(f".{target.name}.partial")
-    save_file({"token_ids": ids, "hidden_states": states}, str(tmp))
+    save_file(payload, str(tmp))
     back = load_file(str(tmp))
-    if not (
-        torch.equal(back["token_ids"], ids)
-        and back["hidden_states"].dtype == states.dtype
-        and torch.equal(back["hidden_states"], states)
-    ):
+    if set(back) != set(payload) or not all(_same(back[k], payload[k]) for k in back):
         tmp.unlink()
         raise SpecShimError(f"hs_{index}.safetensors read back differs from {source}")
     os.replace(tmp, target)
-    return identity
+    agreement = _agreement(stack.float(), back) if options.dtype == "fp8" else None
+    return identity, agreement
 
 
 class _Manifest:
-    """index -> (source identity, destination identity), appended as written."""
+    """Per sample, as written: the source's and the file's identities, and
+    (fp8) what a reader gets back against the source, per layer."""
 
     def __init__(self, path: Path) -> None:
-        self.entries: dict[int, list[int]] = {}
+        self.entries: dict[int, dict[str, Any]] = {}
         if path.is_file():
             for line in path.read_text(encoding="utf-8").splitlines():
                 try:
-                    index, *identities = json.loads(line)
-                except (json.JSONDecodeError, ValueError, TypeError):
+                    entry = json.loads(line)
+                    self.entries[int(entry["index"])] = entry
+                except (json.JSONDecodeError, ValueError, TypeError, KeyError):
                     continue  # a line torn by a killed run
-                self.entries[int(index)] = identities
         self.handle = path.open("a", encoding="utf-8")
 
     def holds(self, index: int, out: Path, dest: Path) -> bool:
@@ -217,14 +274,37 @@ class _Manifest:
         target = dest / "hidden_states" / f"hs_{index}.safetensors"
         if recorded is None or not target.is_file():
             return False
-        now = [*file_identity(final_path(out, index).stat())]
-        return recorded == now + [*file_identity(target.stat())]
+        return recorded.get("source") == [
+            *file_identity(final_path(out, index).stat())
+        ] and recorded.get("file") == [*file_identity(target.stat())]
 
-    def add(self, index: int, out: Path, dest: Path, source: list[int]) -> None:
+    def add(self, index: int, dest: Path, written: tuple[list[int], Any]) -> None:
         target = dest / "hidden_states" / f"hs_{index}.safetensors"
-        line = [index, *source, *file_identity(target.stat())]
-        self.handle.write(json.dumps(line) + "\n")
+        source, agreement = written
+        entry = {
+            "index": index,
+            "source": source,
+            "file": [*file_identity(target.stat())],
+            "agreement": agreement,
+        }
+        self.entries[index] = entry
+        self.handle.write(json.dumps(entry) + "\n")
         self.handle.flush()
+
+    def agreement(self, total: int) -> list[dict[str, float]] | None:
+        """Over every sample: per layer, the mean and lowest cosine and the
+        mean norm ratio (samples weigh alike); None where nothing was lossy."""
+        rows = [self.entries[i].get("agreement") for i in range(total)]
+        if not rows or any(r is None for r in rows):
+            return None
+        return [
+            {
+                "mean_cosine": round(sum(r[k][0] for r in rows) / len(rows), 5),
+                "lowest_cosine": round(min(r[k][1] for r in rows), 5),
+                "mean_norm_ratio": round(sum(r[k][2] for r in rows) / len(rows), 5),
+            }
+            for k in range(len(rows[0]))
+        ]
 
     def close(self) -> None:
         self.handle.close()
@@ -277,7 +357,8 @@ def _marker(
         "samples": total,
         "dtype": options.dtype,
         "layer_mapping": mapping,
-        "train_with": f"--data-path {options.dest} --target-layer-ids {ids}",
+        "train_with": f"--data-path {options.dest} --target-layer-ids {ids}"
+        + (" --hidden-states-backend fp8" if options.dtype == "fp8" else ""),
         "source": str(options.out.resolve()),
         "source_model_fingerprint": config.get("model_fingerprint"),
         "max_model_len": config["max_model_len"],
