@@ -77,48 +77,70 @@ def _not_streamed(model, chats, batch_size: int) -> list[dict[str, torch.Tensor]
     return samples
 
 
-def test_every_format_streams_to_the_non_streamed_files(tmp_path, tiny_model_dir):
+CHATS = 10
+
+
+@pytest.fixture(scope="module")
+def not_streamed(tiny_model_dir):
+    return _not_streamed(tiny_model_dir("llama"), _chats(CHATS), batch_size=4)
+
+
+def _write_format(name: str, root) -> tuple[object, list[str]]:
+    """The same chats as JSONL (OpenAI turns), Parquet (ShareGPT turns) or a
+    saved ``datasets`` directory (a split and a column named by flags)."""
     import datasets
 
-    model = tiny_model_dir("llama")
-    chats = _chats(10)
-    jsonl = tmp_path / "chats.jsonl"
-    jsonl.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
-    parquet = tmp_path / "chats.parquet"
-    datasets.Dataset.from_list(
-        [{"conversations": _sharegpt(c)} for c in chats]
-    ).to_parquet(str(parquet))
-    saved = tmp_path / "saved"
+    chats = _chats(CHATS)
+    if name == "jsonl":
+        jsonl = root / "chats.jsonl"
+        jsonl.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+        return jsonl, []
+    if name == "parquet":
+        parquet = root / "chats.parquet"
+        datasets.Dataset.from_list(
+            [{"conversations": _sharegpt(c)} for c in chats]
+        ).to_parquet(str(parquet))
+        return parquet, []
+    saved = root / "saved"
     datasets.DatasetDict(
         train=datasets.Dataset.from_list([{"chat": _sharegpt(chats[0])}]),
         test=datasets.Dataset.from_list([{"chat": c} for c in chats]),
     ).save_to_disk(str(saved))
-    runs = {
-        "jsonl": (jsonl, []),
-        "parquet": (parquet, []),
-        "datasets": (saved, ["--split", "test", "--column", "chat"]),
-    }
-    outs = {}
-    for name, (data, extra) in runs.items():
-        outs[name] = tmp_path / f"out-{name}"
-        _run_ok(_command(model, data, outs[name], *extra), timeout=600)
+    return saved, ["--split", "test", "--column", "chat"]
 
-    expected = _not_streamed(model, chats, batch_size=4)  # _command's batch size
-    for name, out in outs.items():
-        files = _files(out)
-        assert sorted(files) == list(range(len(chats))), name
-        for index, path in files.items():
-            got = torch.load(path, weights_only=True)
-            want = expected[index]
-            where = f"{name}: data_{index}.pt"
-            assert torch.equal(got["input_ids"], want["input_ids"].cpu()), where
-            assert torch.equal(got["loss_mask"], want["loss_mask"].long()), where
-            assert 0 < got["loss_mask"].sum() < len(got["loss_mask"]), where
-            # The same batches, so the same numbers.
-            for mine, theirs in zip(
-                got["hidden_states"], want["hidden_states"], strict=True
-            ):
-                assert torch.equal(mine, theirs.cpu()), where
+
+# Parquet and saved datasets are `extended` (make test-extended): their readers
+# are tested without vLLM in tests/unit/test_dataset_formats.py, and this file
+# checks the streamed pipeline end to end on JSONL.
+@pytest.mark.parametrize(
+    "name",
+    [
+        "jsonl",
+        pytest.param("parquet", marks=pytest.mark.extended),
+        pytest.param("datasets", marks=pytest.mark.extended),
+    ],
+)
+def test_every_format_streams_to_the_non_streamed_files(
+    tmp_path, tiny_model_dir, not_streamed, name
+):
+    model = tiny_model_dir("llama")
+    data, extra = _write_format(name, tmp_path)
+    out = tmp_path / f"out-{name}"
+    _run_ok(_command(model, data, out, *extra), timeout=600)
+    files = _files(out)
+    assert sorted(files) == list(range(CHATS)), name
+    for index, path in files.items():
+        got = torch.load(path, weights_only=True)
+        want = not_streamed[index]
+        where = f"{name}: data_{index}.pt"
+        assert torch.equal(got["input_ids"], want["input_ids"].cpu()), where
+        assert torch.equal(got["loss_mask"], want["loss_mask"].long()), where
+        assert 0 < got["loss_mask"].sum() < len(got["loss_mask"]), where
+        # The same batches, so the same numbers.
+        for mine, theirs in zip(
+            got["hidden_states"], want["hidden_states"], strict=True
+        ):
+            assert torch.equal(mine, theirs.cpu()), where
 
 
 def test_a_writer_that_fails_mid_run_stops_it_and_a_rerun_completes(

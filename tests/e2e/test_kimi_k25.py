@@ -57,7 +57,11 @@ def _assert_identical(a: list[dict], b: list[dict]) -> None:
             assert p.equal(q), f"sequence {index}, layer #{k}"
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.tp2)])
+# TP=2 is `extended` (make test-extended): the text-only loading is the same
+# code in every worker, and make test runs Kimi-K2.5 at TP=1.
+@pytest.mark.parametrize(
+    "tp", [1, pytest.param(2, marks=(pytest.mark.tp2, pytest.mark.extended))]
+)
 def test_kimi_k25_equals_deepseek_v3_without_building_its_tower(tiny_model_dir, tp):
     towers, kimi = _run(str(tiny_model_dir("kimi_k25")), tp)
     assert towers == [0] * tp, "the vision tower was built for a text-only job"
