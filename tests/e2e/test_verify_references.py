@@ -84,7 +84,10 @@ def test_each_reference_flags_shift_swap_and_wrong_layer(tampered, reference):
     _assert_flags_exactly_the_tampered(_verify(model, out, reference), reference)
 
 
+# `extended` (make test-extended): make test runs the solo reference at TP=1
+# and the generator at TP=2 in the reference cases.
 @pytest.mark.tp2
+@pytest.mark.extended
 def test_solo_reference_at_tp2(tampered):
     _, model, out = tampered
     run = _verify(model, out, "solo", "--tp", "2")
