@@ -46,21 +46,21 @@ class LayeredGenerator:
 
 @pytest.fixture
 def source(tmp_path, tiny_model_dir, monkeypatch):
-    def make(layers=LAYERS, samples=5):
+    def make(layers=LAYERS, samples=5, name="hs"):
         monkeypatch.setattr(
             _extract,
             "_make_generator",
             lambda options, chosen: LayeredGenerator(chosen),
         )
         monkeypatch.setattr(_extract, "on_cpu", lambda: False)
-        data = tmp_path / "d.jsonl"
+        data = tmp_path / f"{name}.jsonl"
         data.write_text(
             "".join(
                 json.dumps({"input_ids": list(range(1, 3 + i))}) + "\n"
                 for i in range(samples)
             )
         )
-        out = tmp_path / "hs"
+        out = tmp_path / name
         model = tiny_model_dir("llama")
         _extract.extract(
             ExtractOptions(model=model, data=data, out=out, layers=layers, batch_size=2)
@@ -194,3 +194,27 @@ def test_fp8_is_what_speculators_fp8_backend_dequantizes_and_its_cost_is_said(
     # Kept files keep their recorded agreement: a rerun reports the same.
     again = export(ExportOptions(out=out, dest=dest, model=model, dtype="fp8"))
     assert again["kept"] == 5 and again["agreement"] == counts["agreement"]
+
+
+def test_a_checkpoint_other_than_the_extracted_one_is_refused(
+    source, tmp_path, tiny_model_dir
+):
+    """Its layer count would decide the mapping: the fingerprint must match."""
+    _, out = source()
+    other = tiny_model_dir("qwen2")
+    with pytest.raises(UsageError, match="is not the checkpoint .* extracted with"):
+        export(ExportOptions(out=out, dest=tmp_path / "new", model=other))
+    assert not (tmp_path / "new").exists()
+
+
+def test_files_of_samples_the_source_no_longer_has_are_removed(source, tmp_path):
+    model, longer = source(samples=5, name="long")
+    dest = tmp_path / "new"
+    export(ExportOptions(out=longer, dest=dest, model=model))
+    (dest / "hidden_states" / ".hs_0.safetensors.partial").write_bytes(b"cut")
+    _, shorter = source(samples=3, name="short")
+    counts = export(ExportOptions(out=shorter, dest=dest, model=model))
+    assert counts["samples"] == 3
+    assert sorted(p.name for p in (dest / "hidden_states").iterdir()) == [
+        f"hs_{i}.safetensors" for i in range(3)
+    ]

@@ -159,6 +159,7 @@ def export(options: ExportOptions) -> dict[str, Any]:
         manifest.add(index, options.dest, _write_one(options, index))
         written += 1
     manifest.close()
+    _remove_stale(options.dest, total)
     _write_arrow(options, total)
     result = _marker(config, mapping, total, options)
     result["agreement"] = manifest.agreement(total)
@@ -174,11 +175,21 @@ def export(options: ExportOptions) -> dict[str, Any]:
 
 
 def _model(options: ExportOptions, config: dict[str, Any]) -> Path:
+    """The checkpoint the extract ran, proven by its fingerprint: its layer
+    count decides the mapping."""
+    from specshim.job.checkpoint import model_fingerprint
+
     model = options.model or Path(str(config.get("model", "")))
     if not (model / "config.json").is_file():
         raise UsageError(
             f"the model {model} named in {options.out}/data_config.json is not "
             "here; give its directory with --model"
+        )
+    if model_fingerprint(model) != config.get("model_fingerprint"):
+        raise UsageError(
+            f"{model} is not the checkpoint {options.out} was extracted with (its "
+            "config, tokenizer or weight files differ from the fingerprint in "
+            "data_config.json); give that checkpoint with --model"
         )
     return model
 
@@ -252,6 +263,19 @@ def _write_one(options: ExportOptions, index: int) -> tuple[list[int], Any]:
     os.replace(tmp, target)
     agreement = _agreement(stack.float(), back) if options.dtype == "fp8" else None
     return identity, agreement
+
+
+def _remove_stale(dest: Path, total: int) -> None:
+    """Files of samples the source no longer has (an earlier export of a longer
+    extract) and partial files of a killed run: no row of the table is theirs."""
+    for path in (dest / "hidden_states").iterdir():
+        name = path.name
+        if name.startswith(".hs_") and name.endswith(".partial"):
+            path.unlink()
+        elif name.startswith("hs_") and name.endswith(".safetensors"):
+            index = name[len("hs_") : -len(".safetensors")]
+            if index.isdigit() and int(index) >= total:
+                path.unlink()
 
 
 class _Manifest:
