@@ -263,7 +263,7 @@ def _apply_one(record: PatchRecord, module: Any, registry: Registry) -> None:
     if patch.id in disabled_ids() or "all" in disabled_ids():
         record.state, record.detail = State.DISABLED, "SPECSHIM_DISABLE"
         return
-    needed_off = registry.turned_off_with(patch) if patch.requires else []
+    needed_off = registry.turned_off_with(patch)
     if needed_off:
         record.state = State.DISABLED
         record.detail = (

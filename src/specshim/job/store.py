@@ -97,9 +97,6 @@ class Entry:
     def file_identity(self) -> tuple[int, int, int]:
         return (self.size, self.inode, self.mtime_ns)
 
-    def describes(self, stat: os.stat_result) -> bool:
-        return self.file_identity() == file_identity(stat)
-
 
 def file_identity(stat: os.stat_result) -> tuple[int, int, int]:
     """What a manifest entry records of the file it wrote: size, inode, mtime."""
