@@ -83,15 +83,30 @@ class HFReference:
         return [captured[i] for i in sorted(layer_ids)]
 
 
+def _both_zero(a: Any, b: Any) -> Any:
+    """Tokens whose state is the zero vector on both sides. A token whose
+    embedding row is zero (a padding id) keeps a zero state through
+    bias-free layers; two zero vectors agree exactly, though their cosine
+    is undefined (torch gives 0)."""
+    return (a.float().norm(dim=-1) == 0) & (b.float().norm(dim=-1) == 0)
+
+
 def per_token_cosine(a: Any, b: Any) -> Any:
+    """Per token: the cosine of the two states; 1 where both are zero, 0
+    where only one is."""
     import torch
 
-    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+    cos = torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+    return torch.where(_both_zero(a, b), torch.ones_like(cos), cos)
 
 
 def norm_ratio(got: Any, want: Any) -> Any:
-    """Per token: the captured state's length over the reference's."""
-    return got.float().norm(dim=-1) / want.float().norm(dim=-1).clamp_min(1e-12)
+    """Per token: the captured state's length over the reference's; 1 where
+    both are zero."""
+    import torch
+
+    ratio = got.float().norm(dim=-1) / want.float().norm(dim=-1).clamp_min(1e-12)
+    return torch.where(_both_zero(got, want), torch.ones_like(ratio), ratio)
 
 
 MEAN_COSINE = 0.98
