@@ -221,11 +221,19 @@ def _copy_kimi_code(path: Path) -> None:
         shutil.copyfile(code / name, path / name)
 
 
-# The latent width vLLM's CPU MLA kernels take (kv_lora_rank + qk_rope_head_dim
-# = 512 + 64, as in DeepSeek-V3 and Kimi-K2.5); the small fixtures above (64)
+# DeepSeek-V3's and Kimi-K2.5's attention geometry: the latent width vLLM's
+# CPU MLA kernels take (kv_lora_rank + qk_rope_head_dim = 512 + 64), and their
+# head dims (query/key 128 + 64, value 128), the shapes FlashAttention's MLA
+# prefill takes on a GPU (a query/key of 96 with a value of 32 fails there once
+# a prefill continues a cached context). The small fixtures above (latent 64)
 # run with plain attention. These two run vLLM's real MLA path on its CPU
-# backend where it has one.
-MLA_WIDTH = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+# backend where it has one, and on the GPU.
+MLA_WIDTH = {
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+}
 
 
 def build_deepseek_v3_mla(path: Path, seed: int = 0) -> Path:

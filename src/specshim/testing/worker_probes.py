@@ -121,8 +121,10 @@ def backends(worker: Any) -> dict[str, Any]:
         backend = getattr(module, "attn_backend", None)
         if backend is not None and hasattr(backend, "get_name"):
             attention.add(str(backend.get_name()))
-        if type(module).__name__.endswith("FusedMoE"):
-            method = getattr(module, "quant_method", None)
+        method = getattr(module, "quant_method", None)
+        # The experts' method, wherever it lives: on FusedMoE up to vLLM 0.23,
+        # on the RoutedExperts of a MoERunner from 0.24.
+        if any(c.__name__ == "FusedMoEMethodBase" for c in type(method).__mro__):
             kernel = getattr(method, "moe_kernel", None) or getattr(
                 method, "fused_experts", None
             )
