@@ -167,15 +167,16 @@ def _feed(spec: FeedSpec, pipe: Any) -> None:
         except OSError:  # BrokenPipeError: nobody reads any more
             os._exit(1)
 
+    chunk: list[Todo] = []
+    done = 0
+    rewrites: dict[str, int] = {}
     try:
         known = _Known(spec.out, spec.shard, spec.max_len)
         stream = RecordStream(spec.data, spec.shard, spec.split, spec.column)
         tokenizing = Tokenizing(spec.model, spec.trust_remote_code)
-        chunk: list[Todo] = []
         # Samples cut to max_len, whichever run wrote them: tokenized now, or
         # already done (the manifest says whether they were cut).
-        done = tokens = samples = truncated = 0
-        rewrites: dict[str, int] = {}
+        tokens = samples = truncated = 0
         sent = time.monotonic()
         for record in stream:
             samples += 1
@@ -199,6 +200,7 @@ def _feed(spec: FeedSpec, pipe: Any) -> None:
         put(("chunk", chunk, done, rewrites))
         put(("end", stream.total, samples, truncated))
     except UsageError as exc:
+        put(("chunk", chunk, done, rewrites))  # whole batches before it get written
         put(("usage", str(exc)))
     except BaseException:  # noqa: BLE001 - reported to the main process
         put(("crash", traceback.format_exc()))
