@@ -4,9 +4,12 @@
 on PYTHONPATH. A Python started with ``-S`` runs no ``sitecustomize``, and one
 started with ``-E`` or ``-I`` ignores PYTHONPATH: either would run the program
 unpatched and exit 0. Those flags are visible when the command is a Python
-interpreter, or a script whose ``#!`` line names one; then the run is refused.
-What a program does later (a child started with such a flag, or with a cleaned
-environment) cannot be seen from here and is not covered.
+interpreter, or a script whose ``#!`` line names one, directly or through
+``env`` (``#!/usr/bin/env -S python3 -S``); then the run is refused, as it is
+when ``env`` itself drops PYTHONPATH before starting a Python (``env -i``,
+``env -u PYTHONPATH``, ``env PYTHONPATH=...``). What a program does later (a
+child started with such a flag, or with a cleaned environment) cannot be seen
+from here and is not covered.
 """
 
 from __future__ import annotations
@@ -29,9 +32,15 @@ _PYTHON_NAME = re.compile(r"(python|pypy)[\d.]*t?")
 
 def refuse_unpatched(command: list[str]) -> None:
     """Raise ``SpecShimError`` if ``command`` is a Python that skips the bootstrap."""
-    argv, where = _interpreter_argv(command)
+    argv, where, lost = _interpreter_argv(command)
     if argv is None:
         return  # not a Python we can see: its children are on their own
+    if lost:
+        raise SpecShimError(
+            f"{where}{lost} before it starts {argv[0]}, so specshim run cannot "
+            "load specshim in it and the program would run unpatched; keep "
+            "PYTHONPATH, or `import specshim` first thing in the program"
+        )
     for flag in python_flags(argv[1:]):
         if flag in SKIPS_BOOTSTRAP:
             which = ", which" if where else ""
@@ -70,17 +79,60 @@ def python_flags(args: list[str]) -> list[str]:
     return flags
 
 
-def _interpreter_argv(command: list[str]) -> tuple[list[str] | None, str]:
-    """The Python's own argv that ``command`` starts, and how to name it.
+def _interpreter_argv(command: list[str]) -> tuple[list[str] | None, str, str]:
+    """The Python's own argv that ``command`` starts, how to name where it comes
+    from, and how ``env`` on the way drops PYTHONPATH ("" if it does not).
 
-    ``(None, "")`` when ``command`` starts no Python we can see.
+    ``(None, "", "")`` when ``command`` starts no Python we can see.
     """
-    if _is_python(command[0]):
-        return command, ""
-    interpreter = _shebang(command[0])
-    if interpreter and _is_python(interpreter[0]):
-        return interpreter + command, f"{command[0]}: its #! line runs "
-    return None, ""
+    where = ""
+    if not _is_python(command[0]) and not _is_env(command[0]):
+        interpreter = _shebang(command[0])
+        if not interpreter:
+            return None, "", ""
+        command, where = interpreter + command, f"{command[0]}: its #! line runs "
+    lost = ""
+    if _is_env(command[0]):
+        command, lost = _through_env(command[1:])
+    if command and _is_python(command[0]):
+        return command, where, lost
+    return None, "", ""
+
+
+def _is_env(program: str) -> bool:
+    return os.path.basename(program) == "env"
+
+
+def _through_env(args: list[str]) -> tuple[list[str], str]:
+    """The command ``env ARGS`` runs, and how env drops PYTHONPATH on the way
+    ("" if it keeps it). ``-S`` strings are split as env splits them, which is
+    how a ``#!`` line passes a Python its flags through env."""
+    words, lost = list(args), ""
+    while words:
+        word = words.pop(0)
+        if word in ("-i", "-", "--ignore-environment"):
+            lost = f"env {word} clears the environment (PYTHONPATH with it)"
+        elif word.startswith(("-S", "--split-string")):
+            text = word.split("=", 1)[1] if word.startswith("--") else word[2:]
+            if not text.strip() and words and word in ("-S", "--split-string"):
+                text = words.pop(0)
+            words = text.split() + words
+        elif word in ("-u", "--unset", "-C", "--chdir") and words:
+            if word in ("-u", "--unset") and words[0] == "PYTHONPATH":
+                lost = "env -u PYTHONPATH removes PYTHONPATH"
+            words.pop(0)
+        elif word == "--unset=PYTHONPATH":
+            lost = "env --unset=PYTHONPATH removes PYTHONPATH"
+        elif word == "--":
+            break
+        elif word.startswith("-"):
+            continue  # env's other options take no argument
+        elif "=" in word:
+            if word.startswith("PYTHONPATH="):
+                lost = "env PYTHONPATH=... replaces specshim's PYTHONPATH"
+        else:
+            return [word, *words], lost
+    return words, lost
 
 
 def _is_python(program: str) -> bool:

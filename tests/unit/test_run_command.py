@@ -134,3 +134,38 @@ def test_run_refuses_a_script_whose_shebang_passes_such_a_flag(tmp_path):
     out = _run(str(script))
     assert out.returncode == 1 and "ran" not in out.stdout, out
     assert "drop -I" in out.stderr and str(script) in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("shebang", "named"),
+    [
+        ("/usr/bin/env -S {py} -S", "drop -S"),
+        ("/usr/bin/env -S {py} -E", "drop -E"),
+        ("/usr/bin/env -S -i {py}", "env -i clears the environment"),
+        ("/usr/bin/env -S -u PYTHONPATH {py}", "env -u PYTHONPATH"),
+    ],
+)
+def test_run_refuses_such_a_python_started_through_env(tmp_path, shebang, named):
+    """``#!/usr/bin/env -S python3 -S`` hands the flag on through env."""
+    script = tmp_path / "tool"
+    script.write_text(f"#!{shebang.format(py=sys.executable)}\nprint('ran')\n")
+    script.chmod(0o755)
+    out = _run(str(script))
+    assert out.returncode == 1 and "ran" not in out.stdout, out
+    assert named in out.stderr and str(script) in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_run_refuses_env_that_drops_pythonpath_before_python():
+    out = _run("env", "-i", sys.executable, "-c", "print('ran')")
+    assert out.returncode == 1 and "ran" not in out.stdout, out
+    assert "env -i clears the environment" in out.stderr
+
+
+def test_run_lets_env_through_when_it_keeps_pythonpath(tmp_path):
+    script = tmp_path / "tool"
+    code = "import sys; print('patched', 'specshim' in sys.modules)"
+    script.write_text(f"#!/usr/bin/env -S {sys.executable} -B\n{code}\n")
+    script.chmod(0o755)
+    out = _run(str(script))
+    assert out.returncode == 0 and "patched True" in out.stdout, out.stderr
