@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from specshim._settings import KNOBS, STEP_DEFAULTS
 from specshim._versions import TESTED_VLLM
@@ -59,12 +59,20 @@ def _version() -> str:
     return ", ".join(parts)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line, as every other error of the CLI: what is wrong, and
+    where the usage is (argparse prints its usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(
     handlers: Mapping[str, Handler], extract_defaults: Mapping[str, Any]
 ) -> argparse.ArgumentParser:
     """The parser; ``handlers`` maps each command to the function that runs it,
     ``extract_defaults`` gives ``extract``'s defaults (``ExtractOptions``')."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="specshim",
         description=(
             "Run speculators 0.3.0's hidden-state generator, unmodified, on newer "

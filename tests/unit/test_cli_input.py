@@ -281,6 +281,26 @@ def test_bad_arguments_are_usage_errors(tmp_path, capsys, model, argv, message):
     assert code == 2 and message in _one_line_error(err, command)
 
 
+@pytest.mark.parametrize(
+    ("argv", "command", "message"),
+    [
+        (["extract"], "extract", "the following arguments are required: --model"),
+        (["verify", "--all", "--data", "x"], "verify", "required: --model, --out"),
+        (["extract", "--tp", "two"], "extract", "argument --tp: invalid int value"),
+        (["bogus"], "", "invalid choice: 'bogus'"),
+    ],
+)
+def test_what_argparse_refuses_is_one_line_too(capsys, argv, command, message):
+    """argparse prints its usage block before the error; the CLI does not."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    prog = f"specshim {command}".strip()
+    assert exit_info.value.code == 2
+    assert err.count("\n") == 1 and err.startswith(f"{prog}: error: "), err
+    assert message in err and f"(see {prog} --help)" in err
+
+
 def test_version_names_the_stack(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
