@@ -248,6 +248,42 @@ def test_a_feed_killed_halfway_through_a_message_is_an_error_not_a_hang(
     feed.close()
 
 
+def test_a_feed_crash_is_one_line_and_its_traceback_a_file(tmp_path, tiny_model_dir):
+    feed = _feed.Feed(_feed_spec(tmp_path, tiny_model_dir("llama")))
+    trace = 'Traceback (most recent call last):\n  File "x.py"\nKeyError: 7\n'
+    feed.items.put(("crash", trace))
+    with pytest.raises(SpecShimError) as error:
+        list(feed)
+    message = str(error.value)
+    assert "\n" not in message and "(KeyError: 7)" in message, message
+    saved = tmp_path / ".specshim" / "feed-crash.txt"
+    assert str(saved) in message and saved.read_text() == trace
+
+
+def test_an_unexpected_generate_error_is_one_line(tmp_path, tiny_model_dir, fake):
+    class Failing(FakeGenerator):
+        def generate(self, batch):
+            if batch[0][0] == 5:  # the second batch
+                raise RuntimeError("CUDA error: an illegal memory access\nmore")
+            return super().generate(batch)
+
+    def make(options, layers):
+        fake.append(Failing())
+        return fake[-1]
+
+    model = tiny_model_dir("llama")
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(12)])
+    out = tmp_path / "out"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_extract, "_make_generator", make)
+        with pytest.raises(SpecShimError) as error:
+            extract(_options(model, data, out))
+    message = str(error.value)
+    assert "\n" not in message and "RuntimeError: CUDA error" in message, message
+    assert "samples 4 to 7" in message
+    assert set(_written(out)) == {0, 1, 2, 3}  # the batch before it is written
+
+
 def _exit_hard(out) -> None:
     import os
 

@@ -318,7 +318,14 @@ def _generate(generator: Any, batch: list[Todo], writer: Writer) -> list[Any]:
                 f"{writer.written} samples were written in this run and are "
                 "complete; rerun the same command to resume from there."
             ) from exc
-        raise
+        if isinstance(exc, SpecShimError):
+            raise  # the row guard's refusal says what it found
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise SpecShimError(
+            f"generate() failed ({type(exc).__name__}: {first}) on samples "
+            f"{batch[0].index} to {batch[-1].index}; nothing of this batch was "
+            "written. The batches before it are, and a rerun resumes from there."
+        ) from exc
 
 
 def _shutdown(generator: Any) -> None:

@@ -233,6 +233,21 @@ class Feed:
         self.samples = 0
         self.truncated = 0
 
+    def _crash_report(self, trace: str) -> str:
+        """One line naming the error; the whole traceback goes to a file."""
+        last = (trace.strip().splitlines() or ["?"])[-1]
+        path = Path(self.spec.out) / ".specshim" / "feed-crash.txt"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(trace)
+            where = f"; its traceback is in {path}"
+        except OSError:
+            where = ""
+        return (
+            f"reading the dataset failed unexpectedly ({last}): a specshim bug, "
+            f"please report it{where}"
+        )
+
     def start(self) -> Feed:
         self.process.start()
         # Only the feed holds the write end now: if it dies, even halfway
@@ -266,10 +281,7 @@ class Feed:
             elif kind == "usage":
                 raise UsageError(fields[0])
             elif kind == "crash":
-                raise SpecShimError(
-                    "reading the dataset failed unexpectedly (a specshim bug; "
-                    "please report it):\n" + fields[0]
-                )
+                raise SpecShimError(self._crash_report(fields[0]))
             else:
                 self.process.join(timeout=5)
                 raise SpecShimError(
