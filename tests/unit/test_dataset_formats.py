@@ -186,3 +186,20 @@ def test_damaged_or_unreadable_compression_is_one_line(tmp_path):
     zstd.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 16)
     with pytest.raises(UsageError, match="compressed with zstd.*decompress it first"):
         read_records(zstd)
+
+
+def test_a_compressed_table_file_its_name_hides_is_one_line(tmp_path, capfd):
+    """datasets picks decompression by the name: a gzipped array named .json
+    failed as a parse error, after datasets' own ERROR log line."""
+    import gzip
+
+    hidden = tmp_path / "d.json"
+    hidden.write_bytes(gzip.compress(json.dumps(ROWS).encode()))
+    with pytest.raises(UsageError, match=r"gzip-compressed .* name it d\.json\.gz$"):
+        read_records(hidden)
+    broken = tmp_path / "b.json"
+    broken.write_text('[{"input_ids": [1]}, oops')
+    with pytest.raises(UsageError, match="cannot read it as a dataset"):
+        read_records(broken)
+    captured = capfd.readouterr()
+    assert "Failed to load JSON" not in captured.err + captured.out

@@ -64,6 +64,21 @@ def _open_lines(path: Path) -> Any:
     return path.open("rb")
 
 
+def _refuse_unnamed_compression(path: Path) -> None:
+    """datasets decompresses a table file by its name's suffix, not its content."""
+    if path.is_dir() or path.suffix.lower() in _COMPRESSED_SUFFIXES:
+        return
+    with path.open("rb") as handle:
+        head = handle.read(6)
+    for magic, (name, _) in COMPRESSIONS.items():
+        if head.startswith(magic):
+            raise UsageError(
+                f"--data {path}: its content is {name}-compressed but its name "
+                f"does not say so; name it {path.name}"
+                + {"gzip": ".gz", "bzip2": ".bz2", "xz": ".xz", "zstd": ".zst"}[name]
+            )
+
+
 def parse_shard(
     text: str | None, environ: Mapping[str, str] = os.environ
 ) -> tuple[int, int]:
@@ -251,6 +266,10 @@ class RecordStream:
         import datasets
 
         path, split = self.path, self.split
+        _refuse_unnamed_compression(path)
+        # datasets logs a reader's failure before raising it; the raise
+        # becomes the one-line error.
+        logging.getLogger("datasets").setLevel(logging.CRITICAL)
         try:
             if path.is_dir():
                 table = datasets.load_from_disk(str(path))
