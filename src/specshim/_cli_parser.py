@@ -245,8 +245,9 @@ def _add_status(
     status = _command(
         commands,
         "status",
-        "Show how far an extract output directory has got: samples and tokens "
-        "done and missing, per shard, bytes, each run's pace and the ETA. Loads "
+        "Show how far an extract output directory has got: samples done and "
+        "missing, tokens done, samples per shard, bytes, each run's pace and the "
+        "ETA. Loads "
         "no model and reads no output file; exits 1 until the set is complete.",
         "specshim status --out hs/ --data chats.jsonl",
     )
