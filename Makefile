@@ -70,7 +70,7 @@ test-matrix: setup
 	$(PY) matrix/run.py $(if $(VERSIONS),--versions $(VERSIONS)) $(MATRIX_ARGS)
 
 # Side-by-side benchmark (specshim vs speculators 0.4.0.1 vs HF), the step-budget
-# sweep and the goals; writes benchmarks/results/ and the README's table. ~55 min.
+# sweep and the goals; writes benchmarks/results/ and the README's table. ~53 min.
 BENCH_ARGS ?= --write-readme README.md
 bench: setup
 	$(UV) pip install -q --python $(PY) -r requirements/bench.txt

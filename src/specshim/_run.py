@@ -37,9 +37,10 @@ def refuse_unpatched(command: list[str]) -> None:
         return  # not a Python we can see: its children are on their own
     if lost:
         raise SpecShimError(
-            f"{where}{lost} before it starts {argv[0]}, so specshim run cannot "
-            "load specshim in it and the program would run unpatched; keep "
-            "PYTHONPATH, or `import specshim` first thing in the program"
+            f"{where or 'the command runs '}{argv[0]} through env, and {lost}, so "
+            "specshim run cannot load specshim in it and the program would run "
+            "unpatched; keep PYTHONPATH, or `import specshim` first thing in the "
+            "program"
         )
     for flag in python_flags(argv[1:]):
         if flag in SKIPS_BOOTSTRAP:
