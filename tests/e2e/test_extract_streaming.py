@@ -143,6 +143,9 @@ def test_every_format_streams_to_the_non_streamed_files(
             assert torch.equal(mine, theirs.cpu()), where
 
 
+# `extended` (make test-extended): the pipeline's reaction to a failing writer
+# is unit-tested with a stand-in generator (test_a_failing_writer_stops_the_run).
+@pytest.mark.extended
 def test_a_writer_that_fails_mid_run_stops_it_and_a_rerun_completes(
     tmp_path, tiny_model_dir, hf_reference
 ):

@@ -87,6 +87,9 @@ _DISABLED = textwrap.dedent(
 )
 
 
+# `extended` (make test-extended): an escape hatch that builds the whole model;
+# the switch itself is the registry's SPECSHIM_DISABLE, unit-tested.
+@pytest.mark.extended
 def test_text_only_loading_can_be_disabled(tiny_model_dir, tmp_path):
     import torch
 
