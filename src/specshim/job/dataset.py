@@ -28,14 +28,25 @@ KINDS = ("input_ids", "text", "messages", "conversations")
 # ``save_to_disk`` dataset).
 TABLE_BUILDERS = {".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 # Compressed files, known by their first bytes (the name may say otherwise):
-# each a module of the standard library that opens it, or None where none can.
+# each a module of the standard library that opens it (None where none can),
+# and the suffix that names it.
 COMPRESSIONS = {
-    b"\x1f\x8b": ("gzip", "gzip"),
-    b"BZh": ("bzip2", "bz2"),
-    b"\xfd7zXZ\x00": ("xz", "lzma"),
-    b"\x28\xb5\x2f\xfd": ("zstd", None),
+    b"\x1f\x8b": ("gzip", "gzip", ".gz"),
+    b"BZh": ("bzip2", "bz2", ".bz2"),
+    b"\xfd7zXZ\x00": ("xz", "lzma", ".xz"),
+    b"\x28\xb5\x2f\xfd": ("zstd", None, ".zst"),
 }
-_COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+_COMPRESSED_SUFFIXES = tuple(suffix for _, _, suffix in COMPRESSIONS.values())
+
+
+def _compression(path: Path) -> tuple[str, str | None, str] | None:
+    """What ``path``'s first bytes say it is compressed with, if anything."""
+    with path.open("rb") as handle:
+        head = handle.read(6)
+    for magic, found in COMPRESSIONS.items():
+        if head.startswith(magic):
+            return found
+    return None
 
 
 def _table_suffix(path: Path) -> str:
@@ -51,32 +62,29 @@ def _open_lines(path: Path) -> Any:
     """``path`` opened for reading bytes, decompressed if its content is."""
     import importlib
 
-    with path.open("rb") as handle:
-        head = handle.read(6)
-    for magic, (name, module) in COMPRESSIONS.items():
-        if head.startswith(magic):
-            if module is None:
-                raise UsageError(
-                    f"--data {path}: compressed with {name}, which specshim "
-                    f"cannot read; decompress it first"
-                )
-            return importlib.import_module(module).open(path, "rb")
-    return path.open("rb")
+    found = _compression(path)
+    if found is None:
+        return path.open("rb")
+    name, module, _ = found
+    if module is None:
+        raise UsageError(
+            f"--data {path}: compressed with {name}, which specshim "
+            f"cannot read; decompress it first"
+        )
+    return importlib.import_module(module).open(path, "rb")
 
 
 def _refuse_unnamed_compression(path: Path) -> None:
     """datasets decompresses a table file by its name's suffix, not its content."""
     if path.is_dir() or path.suffix.lower() in _COMPRESSED_SUFFIXES:
         return
-    with path.open("rb") as handle:
-        head = handle.read(6)
-    for magic, (name, _) in COMPRESSIONS.items():
-        if head.startswith(magic):
-            raise UsageError(
-                f"--data {path}: its content is {name}-compressed but its name "
-                f"does not say so; name it {path.name}"
-                + {"gzip": ".gz", "bzip2": ".bz2", "xz": ".xz", "zstd": ".zst"}[name]
-            )
+    found = _compression(path)
+    if found is not None:
+        name, _, suffix = found
+        raise UsageError(
+            f"--data {path}: its content is {name}-compressed but its name "
+            f"does not say so; name it {path.name}{suffix}"
+        )
 
 
 def parse_shard(
