@@ -11,12 +11,14 @@ import random
 from typing import Any
 
 import pytest
+import torch
 
 import specshim
 from specshim.testing.worker_probes import (
     pad_steps,
     sort_steps_by_token_count,
     tamper_captured_rows,
+    use_transport,
 )
 
 from .checks import assert_batch_matches, mismatch
@@ -136,12 +138,57 @@ def test_rows_laid_out_by_token_count_come_back_in_input_order(
     assert sorted(batch, key=len, reverse=True) != batch
     generator.executor.collective_rpc(sort_steps_by_token_count)
     try:
-        with caplog.at_level(logging.WARNING, logger="specshim"):
+        with caplog.at_level(logging.DEBUG, logger="specshim"):
             _run(generator, hf_reference, tiny_model_dir, batch)
     finally:
         generator.executor.collective_rpc(sort_steps_by_token_count, args=(False,))
-    # The rows really came back reordered: the guard had to re-slice them.
-    assert "out of input order" in caplog.text
+    # The rows really left the forward reordered: the worker moved them into
+    # input order (state-transport), and says so only at debug level.
+    assert "into input order" in caplog.text
+    assert not [
+        r for r in caplog.records if r.name.startswith("specshim") and r.levelno >= 30
+    ]
+
+
+# Where both transports are compared bit for bit: a dense model at TP=1 and
+# TP=2 and the MoE at TP=1 (the transport does not look at the model).
+TRANSPORT_CASES = {("llama", 1), ("llama", 2), ("deepseek_v3", 1)}
+
+
+def test_states_are_bit_identical_through_every_transport(generator, request):
+    """What generate() returns through shared memory (with the worker's
+    input-order layout) and through the fallback is, bit for bit, what the
+    tensors pickled through vLLM's RPC queue gave, for a batch with a shared
+    prefix, duplicates and rows that leave the forward out of input order."""
+    if tuple(request.node.callspec.params["generator"]) not in TRANSPORT_CASES:
+        pytest.skip("transport compared on Llama (TP=1, TP=2) and DeepSeek-V3")
+    rng = random.Random(12)
+    prefix = [rng.randrange(VOCAB) for _ in range(40)]
+    batch = [prefix + t for t in _seqs(rng, 5, 1, 60)] + _seqs(rng, 4, 1, 90)
+    batch = [*batch, batch[2], batch[0]]
+    got = {}
+    generator.executor.collective_rpc(sort_steps_by_token_count)
+    try:
+        for mode in ("pickled", "shared", "fallback"):
+            generator.executor.collective_rpc(use_transport, args=(mode,))
+            got[mode] = generator.generate(batch)
+    finally:
+        generator.executor.collective_rpc(use_transport, args=("shared",))
+        generator.executor.collective_rpc(sort_steps_by_token_count, args=(False,))
+    for mode in ("shared", "fallback"):
+        for index, (want, have) in enumerate(
+            zip(got["pickled"], got[mode], strict=True)
+        ):
+            assert torch.equal(want["input_ids"], have["input_ids"])
+            for layer, (w, h) in enumerate(
+                zip(want["hidden_states"], have["hidden_states"], strict=True)
+            ):
+                where = f"{mode}: sequence {index}, layer #{layer}"
+                assert h.device.type == "cpu" and h.is_contiguous(), where
+                assert (w.dtype, w.shape) == (h.dtype, h.shape), where
+                assert torch.equal(w.cpu().view(torch.uint8), h.view(torch.uint8)), (
+                    where
+                )
 
 
 @pytest.mark.parametrize("mode", ["drop", "duplicate"])

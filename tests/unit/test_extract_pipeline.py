@@ -116,7 +116,7 @@ def test_writes_overlap_the_next_generate(tmp_path, tiny_model_dir, fake, monkey
     model = tiny_model_dir("llama")
     data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(8)])
     second_generate = threading.Event()
-    save = _writer.save_sample
+    save = _writer.prepare_sample
 
     def slow_save(run, todo, result):
         if todo.index == 0:
@@ -127,7 +127,7 @@ def test_writes_overlap_the_next_generate(tmp_path, tiny_model_dir, fake, monkey
         fake.append(FakeGenerator(lambda n: n == 2 and second_generate.set()))
         return fake[-1]
 
-    monkeypatch.setattr(_writer, "save_sample", slow_save)
+    monkeypatch.setattr(_writer, "prepare_sample", slow_save)
     monkeypatch.setattr(_extract, "_make_generator", make)
     counts = extract(_options(model, data, tmp_path / "out"))
     assert counts["written"] == 8 and second_generate.is_set()
@@ -159,18 +159,20 @@ def test_a_bad_line_stops_the_run_after_what_was_generated(
 def test_a_failing_writer_stops_the_run(tmp_path, tiny_model_dir, fake, monkeypatch):
     model = tiny_model_dir("llama")
     data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(40)])
-    save = _writer.save_sample
+    save = _writer.prepare_sample
 
     def failing_save(run, todo, result):
         if todo.index == 9:
             raise OSError(28, "No space left on device")
         return save(run, todo, result)
 
-    monkeypatch.setattr(_writer, "save_sample", failing_save)
+    monkeypatch.setattr(_writer, "prepare_sample", failing_save)
     out = tmp_path / "out"
     with pytest.raises(SpecShimError, match=r"writing data_9\.pt failed .*No space"):
         extract(_options(model, data, out))
     assert sorted(_written(out)) == list(range(9))
+    # Samples 10 and 11 were serialized beside 9; nothing of them is left.
+    assert not list(out.glob(".data_*"))
     # Batch 3 (samples 8-11) fails; one batch generating and one waiting at most.
     assert fake[0].calls <= 5, "generation went on after the writer failed"
 

@@ -272,22 +272,27 @@ class Run:
         with self._lock:
             self._write_line(json.dumps(fields))
 
-    def record(self, entry: Entry) -> None:
-        """Append ``entry`` to this run's manifest (flushed before the rename)."""
-        line = json.dumps(
-            [
-                entry.index,
-                entry.tokens,
-                entry.record,
-                entry.size,
-                entry.inode,
-                entry.mtime_ns,
-                entry.num_tokens,
-                entry.truncated,
-            ]
-        )
+    def record(self, *entries: Entry) -> None:
+        """Append ``entries`` to this run's manifest, then one fsync: the
+        caller renames their files into place only after this returns."""
+        lines = [
+            json.dumps(
+                [
+                    entry.index,
+                    entry.tokens,
+                    entry.record,
+                    entry.size,
+                    entry.inode,
+                    entry.mtime_ns,
+                    entry.num_tokens,
+                    entry.truncated,
+                ]
+            )
+            for entry in entries
+        ]
         with self._lock:
-            self._write_line(line)
+            for line in lines:
+                self._write_line(line)
             os.fsync(self._manifest_handle.fileno())
 
     def _write_line(self, line: str) -> None:

@@ -40,6 +40,8 @@ WORKER = (
     "capture_hooks",
     "row_provenance",
     "row_provenance_rpc",
+    "state_transport",
+    "state_order_rpc",
     "capture_contract",
 )
 

@@ -146,3 +146,29 @@ def live_requests(worker: Any) -> int:
     if states is not None:  # the V2 runner: a fixed pool of request slots
         return int(states.num_reqs)
     return len(runner.requests)
+
+
+def use_transport(worker: Any, mode: str) -> None:
+    """Switch how this worker's captured states reach the main process:
+    ``"shared"`` (specshim's ``state-transport``, the default), ``"pickled"``
+    (speculators' own ``_get_captured_states``: tensors through vLLM's RPC
+    queue) or ``"fallback"`` (``state-transport`` without a shared region, as
+    where ``/dev/shm`` is too small: numpy arrays through the queue)."""
+    import types
+
+    from specshim._registry import REGISTRY
+    from specshim.patches.worker import _shared_states
+
+    worker = vars(worker).get("worker", worker)
+    worker.__dict__.pop("_get_captured_states", None)
+    old = getattr(worker, "_specshim_region", None)
+    if old is not None:
+        old.close()
+    worker._specshim_region = None
+    if mode == "pickled":
+        original = REGISTRY.record("state-transport").original
+        worker._get_captured_states = types.MethodType(original, worker)
+    elif mode == "fallback":
+        worker._specshim_region = _shared_states.HostRegion("/nonexistent-shm")
+    elif mode != "shared":
+        raise ValueError(f"unknown transport {mode!r}")

@@ -42,6 +42,7 @@ from typing import Any
 
 from specshim._base import SpecShimError
 from specshim._types import NotNeeded
+from specshim.patches._rows import CAUSES, match_runs
 from specshim.patches._util import declare
 from specshim.patches.main import request_args
 
@@ -81,36 +82,6 @@ def check_inputs(token_ids: Any, vocab_size: int, max_model_len: int) -> None:
         )
 
 
-def _segments(positions: Any, rows: list[int]) -> tuple[Any, Any]:
-    """Split the captured rows into runs, one per request and forward.
-
-    A run starts at position 0 or where a forward starts, and its positions
-    must count 0, 1, 2, ... : a run that starts elsewhere is a partial or
-    cached prefill (rows of a request whose earlier rows are not in this
-    capture) or padding, and cannot be proven. Returns (starts, ends).
-    """
-    import torch
-
-    total = positions.numel()
-    boundary = positions == 0
-    forward_starts = torch.tensor([0, *rows[:-1]], dtype=torch.long).cumsum(0)
-    boundary[forward_starts[forward_starts < total]] = True
-    starts = boundary.nonzero().flatten()
-    ends = torch.cat([starts[1:], torch.tensor([total])])
-    run = boundary.long().cumsum(0) - 1
-    expected = torch.arange(total) - starts[run]
-    wrong = (positions != expected).nonzero().flatten()
-    if wrong.numel():
-        row = int(wrong[0])
-        raise SpecShimError(
-            f"{wrong.numel()} captured rows cannot be proven: row {row} was computed "
-            f"at position {int(positions[row])} where its run of rows needs position "
-            f"{int(expected[row])} (a partial or cached prefill, or padding). "
-            + _CAUSES
-        )
-    return starts, ends
-
-
 def prove_rows(sequences: list[Any], record: dict[str, Any]) -> list[int]:
     """Where each sequence's rows are in the capture, proven from provenance.
 
@@ -127,11 +98,11 @@ def prove_rows(sequences: list[Any], record: dict[str, Any]) -> list[int]:
     naming what is missing, duplicated or unprovable.
     """
     token_ids, positions, rows = _checked_record(record)
-    begin, strays = _match_runs(sequences, token_ids, positions, rows)
-    missing = [i for i, b in enumerate(begin) if b is None]
+    found, strays = match_runs(sequences, token_ids, positions, rows)
+    missing = [i for i, run in enumerate(found) if run is None]
     if missing or strays:
-        raise _misalignment(missing, strays, len(sequences))
-    return [int(b) for b in begin if b is not None]
+        raise _misalignment(missing, len(strays), len(sequences))
+    return [run[0] for run in found if run is not None]
 
 
 def _checked_record(record: dict[str, Any]) -> tuple[Any, Any, list[int]]:
@@ -140,7 +111,7 @@ def _checked_record(record: dict[str, Any]) -> tuple[Any, Any, list[int]]:
     if problems:
         raise SpecShimError(
             f"{len(problems)} captured forward(s) have no provable rows: "
-            f"{problems[0]}. " + _CAUSES
+            f"{problems[0]}. " + CAUSES
         )
     token_ids, positions = record["token_ids"], record["positions"]
     rows = [int(n) for n in record["rows"]]
@@ -150,29 +121,6 @@ def _checked_record(record: dict[str, Any]) -> tuple[Any, Any, list[int]]:
             f"{positions.numel()} positions for {sum(rows)} captured rows"
         )
     return token_ids, positions, rows
-
-
-def _match_runs(
-    sequences: list[Any], token_ids: Any, positions: Any, rows: list[int]
-) -> tuple[list[int | None], int]:
-    """Each sequence's first row (None: no run matched it), and how many runs
-    of captured rows matched no sequence."""
-    from collections import defaultdict, deque
-
-    owners: dict[bytes, deque[int]] = defaultdict(deque)
-    for index, ids in enumerate(sequences):
-        owners[_key(ids)].append(index)
-    begin: list[int | None] = [None] * len(sequences)
-    strays = 0
-    if token_ids.numel():
-        starts, ends = _segments(positions, rows)
-        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
-            waiting = owners.get(_key(token_ids[s:e]))
-            if waiting:
-                begin[waiting.popleft()] = s
-            else:
-                strays += 1
-    return begin, strays
 
 
 def _misalignment(missing: list[int], strays: int, total: int) -> SpecShimError:
@@ -194,14 +142,8 @@ def _misalignment(missing: list[int], strays: int, total: int) -> SpecShimError:
         "hidden states do not line up with the input sequences: "
         + "; ".join(detail)
         + ". Returning them would misalign training data. "
-        + _CAUSES
+        + CAUSES
     )
-
-
-def _key(ids: Any) -> bytes:
-    import torch
-
-    return torch.as_tensor(ids, dtype=torch.long).numpy().tobytes()
 
 
 def reorder(
@@ -231,7 +173,9 @@ def reorder(
         offsets.append(offsets[-1] + len(ids))
     if begin == offsets:
         return results
-    logger.warning("specshim: captured rows were out of input order; re-sliced them")
+    # Normal under the V2 runner when the workers cannot order rows
+    # themselves (state-transport turned off): not worth a warning per call.
+    logger.debug("specshim: captured rows were out of input order; re-sliced them")
     num_layers = len(results[0]["hidden_states"])
     stacked = [
         torch.cat([r["hidden_states"][k] for r in results]) for k in range(num_layers)
@@ -242,12 +186,12 @@ def reorder(
     return results
 
 
-_CAUSES = (
-    "Typical causes: a sequence needs more KV-cache blocks than exist (raise "
-    "gpu_memory_utilization or VLLM_CPU_KVCACHE_SPACE), a disabled specshim "
-    "guard (chunked-prefill-off, prefix-caching-off), or a vLLM runner that pads "
-    "or splits a step."
-)
+def _workers_order_rows() -> bool:
+    """Whether the workers lay rows out in input order (``state-transport``
+    with ``state-order-rpc``): then they are told the call's sequences."""
+    from specshim._settings import disabled_ids
+
+    return not {"all", "state-transport", "state-order-rpc"} & disabled_ids()
 
 
 def _abort_leftovers(generator: Any) -> int:
@@ -281,6 +225,9 @@ def _build(original: Any) -> Any:
                 self.vllm_config
             )
         request_args.set_block_hasher(self._specshim_block_hasher)
+        sequences = _sequences(token_ids, model_config.max_model_len)
+        if _workers_order_rows():
+            self.executor.collective_rpc("_specshim_expect_rows", args=(sequences,))
         try:
             results = original(self, token_ids)
         except Exception:
@@ -306,7 +253,11 @@ def _build(original: Any) -> Any:
                 "proven: the row-provenance patch is not applied in the workers "
                 "(check SPECSHIM_DISABLE and VLLM_PLUGINS; `specshim doctor`)"
             )
-        sequences = _sequences(token_ids, model_config.max_model_len)
+        if record.get("moved"):
+            logger.debug(
+                "specshim: the worker moved %d run(s) of rows into input order",
+                record["moved"],
+            )
         return reorder(results, sequences, prove_rows(sequences, record))
 
     generate.__specshim__ = True  # type: ignore[attr-defined]

@@ -59,6 +59,7 @@ class Provenance:
         self.pending: tuple[Any, Any] | None = None  # (ids, positions)
         self.problem: str | None = None
         self.forwards: list[tuple[Any, Any, int, str | None]] = []
+        self.moved = 0  # runs state-transport moved into input order
 
     def on_embed(self, module: Any, args: Any, output: Any) -> None:
         if not args:  # called by keyword: the ids are not visible here
@@ -114,6 +115,7 @@ class Provenance:
         import torch
 
         forwards, self.forwards = self.forwards, []
+        moved, self.moved = self.moved, 0
         proven = [f for f in forwards if f[3] is None]
         empty = torch.zeros(0, dtype=torch.long)
         return {
@@ -125,6 +127,7 @@ class Provenance:
             else empty,
             "rows": [f[2] for f in forwards],
             "problems": [f[3] for f in forwards if f[3] is not None],
+            "moved": moved,
         }
 
 
@@ -193,7 +196,7 @@ def _wrap_instance_methods(extension: Any) -> None:
     def reset_capture() -> Any:
         record = extension._specshim_provenance
         if record is not None:
-            record.forwards = []
+            record.forwards, record.moved = [], 0
         return reset()
 
     extension._store_captured_states = store_captured_states
