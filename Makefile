@@ -8,7 +8,7 @@ UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.specshim-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-extended test-unit test-e2e test-gpu test-export test-matrix bench bench-extract demo doctor lint clean
+.PHONY: setup test test-extended test-unit test-e2e test-gpu test-export test-matrix bench bench-extract bench-gpu bench-transport demo doctor lint clean
 
 setup: $(STAMP)
 
@@ -82,6 +82,25 @@ bench: setup
 BENCH_EXTRACT_ARGS ?=
 bench-extract: setup
 	$(PY) benchmarks/extract_bench.py $(BENCH_EXTRACT_ARGS)
+
+# On a host with an NVIDIA GPU: vLLM's own prefill, its native extraction,
+# bare generate() (vLLM's runner and V1) and extract on one model, and the
+# output disk, in one run; writes benchmarks/results/gpu.{json,md}. MODEL is
+# llama-1b, llama-8b or deepseek-v3-moe; each fits one 10-minute call on the
+# lent H200 after the bundle is installed (../shared/gpu/README.md: there run
+# `python3 benchmarks/gpu_bench.py --model MODEL`). One line and exit 2 where
+# no CUDA device exists.
+MODEL ?= llama-1b
+BENCH_GPU_ARGS ?=
+GPU_PYTHON ?= $(firstword $(wildcard $(GPU_VENV)/bin/python $(PY)) $(PYTHON))
+bench-gpu:
+	$(GPU_PYTHON) benchmarks/gpu_bench.py --model $(MODEL) $(BENCH_GPU_ARGS)
+
+# The CPU proxy of the GPU figures: one call's states from a worker process to
+# the main one, pickled (speculators' path) and through state-transport's
+# shared region; writes benchmarks/results/transport.json. ~1 min.
+bench-transport: setup
+	$(PY) benchmarks/transport_bench.py
 
 demo: setup
 	$(VENV)/bin/specshim demo

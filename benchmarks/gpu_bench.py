@@ -188,7 +188,8 @@ def part_native(args: argparse.Namespace, data: list[list[int]]) -> dict[str, An
     from vllm import LLM, SamplingParams
 
     out = args.work / "native"
-    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["rm", "-rf", str(out)], check=True)  # the disk holds one set
+    out.mkdir(parents=True)
     ids = [k + 1 for k in MODELS[args.model][2]]  # residual after k + 1 layers
     llm = LLM(
         model=str(args.model_dir),
@@ -221,12 +222,15 @@ def part_native(args: argparse.Namespace, data: list[list[int]]) -> dict[str, An
 
 
 def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
-    from speculators.data_generation import VllmHiddenStatesGenerator
+    import importlib
 
-    import specshim  # noqa: F401  (before speculators)
+    import specshim  # noqa: F401  (first: it arms the patches speculators needs)
     from specshim.testing.worker_probes import backends
 
-    generator = VllmHiddenStatesGenerator(
+    generator_cls = importlib.import_module(
+        "speculators.data_generation"
+    ).VllmHiddenStatesGenerator
+    generator = generator_cls(
         str(args.model_dir),
         layer_ids=MODELS[args.model][2],
         max_model_len=MAX_MODEL_LEN,
@@ -325,7 +329,14 @@ def _state_bytes_per_token(args: argparse.Namespace) -> int:
     return len(MODELS[args.model][2]) * hidden * 2  # bfloat16
 
 
+def part_build(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
+    """In a process of its own: the GPU memory it used is free for the rest."""
+    build_model(args.model, args.model_dir)
+    return {"model": str(args.model_dir)}
+
+
 PARTS = {
+    "build": part_build,
     "prefill": part_prefill,
     "native": part_native,
     "generate": part_generate,
@@ -480,6 +491,10 @@ def render(merged: dict[str, Any]) -> str:
             f"{f(s['extract_vs_ceiling'])} | {f(s['generate_vs_prefill'])} | "
             f"{f(s['extract_vs_native'])} |"
         )
+    for name, s in merged.items():
+        if s.get("sources"):
+            parts = ", ".join(f"{k}: {v}" for k, v in s["sources"].items())
+            rows.append(f"\n{name}'s figures came from these runs: {parts}.")
     first = next(iter(merged.values()))
     stack = ", ".join(f"{k} {v}" for k, v in first["stack"].items())
     return (
@@ -510,16 +525,23 @@ def main() -> int:
     if args.part:
         run_part(args)
         return 0
-    import torch
-
+    try:
+        import torch
+    except ImportError:
+        print(
+            "bench-gpu: torch is not installed for this Python; run it where "
+            "vLLM's CUDA build is (make test-gpu builds .venv-gpu)"
+        )
+        return 2
     if not torch.cuda.is_available():
         print("bench-gpu: no CUDA device here; run it on a host with an NVIDIA GPU")
         return 2
     args.work.mkdir(parents=True, exist_ok=True)
     args.results.mkdir(parents=True, exist_ok=True)
     log(f"{args.model}: building the checkpoint and {args.samples} samples")
-    build_model(args.model, args.model_dir)
     tokens = sum(map(len, build_data(args.work / "data.jsonl", args.samples)))
+    if "error" in spawn(args, "build"):
+        return 1
     parts = {}
     for part in args.parts.split(","):
         if part == "native" and MODELS[args.model][0] == "deepseek_v3":

@@ -168,3 +168,22 @@ def test_the_transport_microbenchmark_moves_the_same_rows_both_ways():
         sys.path.remove(str(benchmarks))
         sys.modules.pop("transport_bench", None)
     assert found["pickled_mib_per_s"] > 0 and found["shared_mib_per_s"] > 0
+
+
+def test_the_main_process_copies_on_lent_threads_and_gives_them_back(monkeypatch):
+    from specshim.patches import _threads
+
+    monkeypatch.setattr(_threads, "copy_threads", lambda: 3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.raises(RuntimeError), _threads.lent_threads():
+            assert torch.get_num_threads() == 3
+            raise RuntimeError("a failing generate()")
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(5)  # more than it would lend: never lowered
+        with _threads.lent_threads():
+            assert torch.get_num_threads() == 5
+        assert torch.get_num_threads() == 5
+    finally:
+        torch.set_num_threads(before)

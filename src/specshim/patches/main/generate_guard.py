@@ -43,6 +43,7 @@ from typing import Any
 from specshim._base import SpecShimError
 from specshim._types import NotNeeded
 from specshim.patches._rows import CAUSES, match_runs
+from specshim.patches._threads import lent_threads
 from specshim.patches._util import declare
 from specshim.patches.main import request_args
 
@@ -229,7 +230,8 @@ def _build(original: Any) -> Any:
         if _workers_order_rows():
             self.executor.collective_rpc("_specshim_expect_rows", args=(sequences,))
         try:
-            results = original(self, token_ids)
+            with lent_threads():  # speculators' clones of every slice
+                results = original(self, token_ids)
         except Exception:
             _abort_leftovers(self)
             raise
