@@ -187,3 +187,21 @@ def test_the_main_process_copies_on_lent_threads_and_gives_them_back(monkeypatch
         assert torch.get_num_threads() == 5
     finally:
         torch.set_num_threads(before)
+
+
+def test_regions_of_exited_workers_are_no_longer_held(monkeypatch):
+    worker = _Worker([_forward([[1, 2]])])
+    _received(state_transport.send(worker, worker._captured_states, [(0, 0, 2)]))
+    held = worker._specshim_region.path
+    assert held in _shared_states._ATTACHED
+    other = _Worker([_forward([[1, 2]])])
+    other._specshim_region = HostRegion()
+    other._specshim_region.prefix = "specshim-states-999999999-beef"
+    monkeypatch.setattr(
+        _shared_states, "_alive", lambda pid: pid != os.getpid()
+    )  # as if the first worker had exited
+    _received(state_transport.send(other, other._captured_states, [(0, 0, 2)]))
+    assert held not in _shared_states._ATTACHED
+    assert other._specshim_region.path in _shared_states._ATTACHED
+    worker._specshim_region.close()
+    other._specshim_region.close()

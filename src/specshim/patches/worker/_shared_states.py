@@ -112,10 +112,28 @@ def attach(path: str, generation: int, offset: int, shape: Any, dtype: str) -> A
 
 
 def _forget_older(path: str) -> None:
-    """Drop the mapping a worker used before it grew into ``path``."""
+    """Drop the mapping a worker used before it grew into ``path``, and those
+    of workers that have exited (a process that builds generator after
+    generator would otherwise keep every old region mapped)."""
     owner = path.rsplit("-", 1)[0]
-    for old in [p for p in _ATTACHED if p.rsplit("-", 1)[0] == owner]:
-        del _ATTACHED[old]  # views still held keep the memory alive
+    for old in list(_ATTACHED):
+        if old.rsplit("-", 1)[0] == owner or not _alive(_owner_pid(old)):
+            del _ATTACHED[old]  # views still held keep the memory alive
+
+
+def _owner_pid(path: str) -> int:
+    """The worker pid in ``.../specshim-states-PID-TOKEN-TOKEN``."""
+    return int(os.path.basename(path).split("-")[2])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _unlink(path: str) -> None:
