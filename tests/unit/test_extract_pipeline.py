@@ -480,3 +480,27 @@ def test_the_cpu_kv_cache_variable_is_set_for_the_generator_only(
     extract(_options(model, data, tmp_path / "out", cpu_kv_space_gib=3))
     assert seen == ["3"]  # the flag wins over the variable, while it starts
     assert os.environ.get("VLLM_CPU_KVCACHE_SPACE") == before
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"plain text, not a torch file\n",
+        b"h\xe1\xa3\x19",
+        b"\x8a",
+        b"X",
+        b"U\xc8C\xd0a",
+    ],
+    ids=["text", "KeyError", "IndexError", "struct.error", "UnicodeDecodeError"],
+)
+def test_bytes_that_are_no_torch_file_are_a_bad_sample_not_a_traceback(
+    tmp_path, content
+):
+    """Not a zip and not a pickle: the unpickler reads the bytes as opcodes and
+    fails in its own ways; verify reports one BAD line for each."""
+    from specshim.job.verify import load_sample
+
+    path = tmp_path / "data_0.pt"
+    path.write_bytes(content)
+    data, why = load_sample(path)
+    assert data is None and why.startswith("cannot be loaded safely"), why

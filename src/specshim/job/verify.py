@@ -78,12 +78,21 @@ def written_files(out: Path) -> list[tuple[int, Path]]:
 def _load(path: Path) -> Any:
     """A sample file, read without unpickling arbitrary objects."""
     import pickle
+    import struct
+    import warnings
 
     import torch
 
+    # Bytes that are not a torch file reach the unpickler as opcodes: besides
+    # its own errors it raises KeyError, IndexError or struct.error on them,
+    # and warns about the "protocol" it thinks it read.
+    unreadable = (pickle.UnpicklingError, RuntimeError, EOFError, OSError)
+    unreadable += (ValueError, KeyError, IndexError, struct.error)
     try:
-        return torch.load(path, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as exc:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, weights_only=True)
+    except unreadable as exc:
         text = str(exc).strip()
         first = text.splitlines()[0].split(". ")[0] if text else repr(exc)
         raise UnreadableError(first) from None
