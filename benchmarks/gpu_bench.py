@@ -164,14 +164,19 @@ def build_data(path: Path, samples: int) -> list[list[int]]:
 def part_prefill(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(
-        model=str(args.model_dir),
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        max_model_len=MAX_MODEL_LEN,
-        skip_tokenizer_init=True,
-    )
+    llm = LLM(**_engine(args))
     return _timed_llm(llm, data, SamplingParams(max_tokens=1, detokenize=False))
+
+
+def _engine(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's engine as the reference runs it: eager, no prefix caching."""
+    return {
+        "model": str(args.model_dir),
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "max_model_len": MAX_MODEL_LEN,
+        "skip_tokenizer_init": True,
+    }
 
 
 def _timed_llm(llm: Any, data: list[list[int]], params: Any) -> dict[str, Any]:
@@ -192,11 +197,7 @@ def part_native(args: argparse.Namespace, data: list[list[int]]) -> dict[str, An
     out.mkdir(parents=True)
     ids = [k + 1 for k in MODELS[args.model][2]]  # residual after k + 1 layers
     llm = LLM(
-        model=str(args.model_dir),
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        max_model_len=MAX_MODEL_LEN,
-        skip_tokenizer_init=True,
+        **_engine(args),
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,

@@ -14,6 +14,7 @@ __all__ = [
     "SpecShimError",
     "SpecShimWarning",
     "UsageError",
+    "pid_alive",
 ]
 
 
@@ -44,3 +45,16 @@ HOOKED_MODULES = (TRANSFORMERS_CONFIG, GENERATOR, WORKER)
 
 # The packages whose versions decide what specshim does, as reports name them.
 PACKAGES = ("vllm", "speculators", "torch", "transformers")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (ours or another user's)."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -198,7 +198,7 @@ def test_regions_of_exited_workers_are_no_longer_held(monkeypatch):
     other._specshim_region = HostRegion()
     other._specshim_region.prefix = "specshim-states-999999999-beef"
     monkeypatch.setattr(
-        _shared_states, "_alive", lambda pid: pid != os.getpid()
+        _shared_states, "pid_alive", lambda pid: pid != os.getpid()
     )  # as if the first worker had exited
     _received(state_transport.send(other, other._captured_states, [(0, 0, 2)]))
     assert held not in _shared_states._ATTACHED

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from specshim._base import SpecShimError, UsageError
+from specshim._base import SpecShimError, UsageError, pid_alive
 
 T = TypeVar("T")
 
@@ -226,7 +226,7 @@ class Run:
             age = float("inf")
         host, _, rest = run.rpartition("-")[0].rpartition("-")
         if host == self.host and rest.isdigit():
-            return _pid_alive(int(rest)) and age < STALE_AFTER * 10
+            return pid_alive(int(rest)) and age < STALE_AFTER * 10
         return age < STALE_AFTER
 
     def remove_dead_partials(self) -> int:
@@ -304,16 +304,6 @@ class Run:
             self._manifest_handle.write(json.dumps(header) + "\n")
         self._manifest_handle.write(line + "\n")
         self._manifest_handle.flush()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def existing_files(

@@ -37,6 +37,8 @@ import os
 import secrets
 from typing import Any
 
+from specshim._base import pid_alive
+
 logger = logging.getLogger(__name__)
 
 HEADER = 4096  # the generation number sits in the first 8 bytes
@@ -117,23 +119,13 @@ def _forget_older(path: str) -> None:
     generator would otherwise keep every old region mapped)."""
     owner = path.rsplit("-", 1)[0]
     for old in list(_ATTACHED):
-        if old.rsplit("-", 1)[0] == owner or not _alive(_owner_pid(old)):
+        if old.rsplit("-", 1)[0] == owner or not pid_alive(_owner_pid(old)):
             del _ATTACHED[old]  # views still held keep the memory alive
 
 
 def _owner_pid(path: str) -> int:
     """The worker pid in ``.../specshim-states-PID-TOKEN-TOKEN``."""
     return int(os.path.basename(path).split("-")[2])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _unlink(path: str) -> None:
