@@ -16,9 +16,11 @@ Why:
       id and position of every captured row, taken from the forward pass, not
       from the runner's bookkeeping): sequence i must own exactly one run of
       ``len(ids_i)`` rows computed from ``ids_i`` at positions 0..n-1, and
-      every captured row must belong to one sequence. Rows that came back in
+      every captured row must belong to one sequence. Rows computed in
       another order (the scheduler over the token budget, the V2 runner's
-      sort by token count) are returned in input order; a missing,
+      sort by token count) are returned in input order: the workers lay them
+      out so (``state-transport``, told the sequences first through
+      ``state-order-rpc``), else the guard re-slices them; a missing,
       duplicated, padded or unprovable row raises ``SpecShimError`` instead of
       returning misaligned training data, and the scheduler is cleared so the
       generator stays usable. Identical duplicate prompts may swap rows: they
