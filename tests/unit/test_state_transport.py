@@ -205,3 +205,12 @@ def test_regions_of_exited_workers_are_no_longer_held(monkeypatch):
     assert other._specshim_region.path in _shared_states._ATTACHED
     worker._specshim_region.close()
     other._specshim_region.close()
+
+
+def test_no_threads_are_lent_where_the_workers_compute_on_the_cpu():
+    from vllm.platforms import current_platform
+
+    from specshim.patches import _threads
+
+    assert current_platform.is_cpu()  # this tier runs vLLM's CPU build
+    assert _threads.copy_threads() == 1

@@ -22,7 +22,13 @@ COPY_THREADS = 8
 
 def copy_threads() -> int:
     """How many threads the main process copies with: up to ``COPY_THREADS``,
-    no more than the cores this process may run on."""
+    no more than the cores this process may run on; 1 where vLLM's workers
+    compute on the CPU, whose cores the copies would take from them (torch's
+    idle threads also spin for a while after each copy)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return 1
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
