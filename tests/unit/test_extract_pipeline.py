@@ -156,7 +156,13 @@ def test_a_bad_line_stops_the_run_after_what_was_generated(
     assert counts["skipped"] == len(written) and counts["written"] == 40 - len(written)
 
 
-def test_a_failing_writer_stops_the_run(tmp_path, tiny_model_dir, fake, monkeypatch):
+@pytest.mark.parametrize("writers", [1, 3], ids=["one-writer", "a-pool"])
+def test_a_failing_writer_stops_the_run(
+    tmp_path, tiny_model_dir, fake, monkeypatch, writers
+):
+    """One writer where vLLM computes on the CPU, a pool on a GPU host: either
+    way, the samples before the failure are written and none after it."""
+    monkeypatch.setattr(_writer, "writers", lambda: writers)
     model = tiny_model_dir("llama")
     data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(40)])
     save = _writer.prepare_sample

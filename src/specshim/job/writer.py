@@ -119,6 +119,16 @@ class Progress:
             self.bar.close()
 
 
+def writers() -> int:
+    """Threads that serialize a batch's files side by side. torch.save spends
+    part of its time outside the GIL (2 threads wrote 1.24x the bytes/s of one
+    on a 2-core host), so on a GPU host one core does not set the pace. Where
+    vLLM's workers compute on the CPU, one: more would take their cores."""
+    from specshim.job.kv_cache import on_cpu
+
+    return 1 if on_cpu() else min(WRITERS, os.cpu_count() or 1)
+
+
 class Writer:
     """Writes batch k's files while batch k+1 generates: a thread, one batch deep.
 
@@ -132,12 +142,8 @@ class Writer:
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=1)
         self.written = self.tokens = 0
         self.error: SpecShimError | None = None
-        # A batch's files are serialized side by side: torch.save spends part
-        # of its time outside the GIL (2 threads wrote 1.24x the bytes/s of
-        # one on a 2-core host), so one core does not set the pace alone.
         self.pool = ThreadPoolExecutor(
-            max_workers=min(WRITERS, os.cpu_count() or 1),
-            thread_name_prefix="specshim-save",
+            max_workers=writers(), thread_name_prefix="specshim-save"
         )
         self.thread = threading.Thread(
             target=self._loop, name="specshim-writer", daemon=True
