@@ -1,8 +1,9 @@
 """Writing samples: each ``data_{i}.pt`` under a temporary name, recorded in
-the run's manifest, then renamed into place (``save_sample``); a writer
-thread one batch deep, so batch k is written while batch k+1 generates, its
-files serialized by a small pool and committed in sample order with one
-fsync of the manifest; and the progress bar or log line."""
+the run's manifest, then renamed into place (``prepare_sample``, then
+``commit``); a writer thread one batch deep, so batch k is written while
+batch k+1 generates, its files serialized by a small pool and committed in
+sample order with one fsync of the manifest; and the progress bar or log
+line."""
 
 from __future__ import annotations
 
@@ -76,13 +77,6 @@ def commit(run: _store.Run, prepared: list[Prepared]) -> None:
         run.record(*(p.entry for p in prepared))
     for p in prepared:
         os.replace(p.tmp, p.final)
-
-
-def save_sample(run: _store.Run, todo: Todo, result: dict[str, Any]) -> int:
-    """Write one sample under a temporary name, record it, rename it into place."""
-    prepared = prepare_sample(run, todo, result)
-    commit(run, [prepared])
-    return prepared.entry.size
 
 
 class Progress:
@@ -163,9 +157,10 @@ class Writer:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 failed = failed or (batch[0], exc)
                 prepared = []
+            tokens = sum(len(p.todo) for p in prepared)
             self.written += len(prepared)
-            self.tokens += sum(len(p.todo) for p in prepared)
-            self.progress.update(len(prepared), sum(len(p.todo) for p in prepared))
+            self.tokens += tokens
+            self.progress.update(len(prepared), tokens)
             if failed is not None:
                 todo, exc = failed
                 self.error = SpecShimError(
