@@ -11,9 +11,11 @@ vLLM worker answers ``_get_captured_states``:
   region, its small descriptors through the same pipe, views mapped here.
 
 Either way the main process then does what speculators does with the reply:
-a ``clone()`` of every sequence's rows of every layer. MiB/s counts the states'
-bytes from the request to the last clone; every transfer is checked bit for
-bit against the worker's rows. Writes ``benchmarks/results/transport.json``.
+a ``clone()`` of every sequence's rows of every layer (a copy into fresh
+memory for the pickled tensors; for the shared ones, the slab's rows handed
+over). MiB/s counts the states' bytes from the request to the last clone;
+every transfer is checked bit for bit against the worker's rows. Writes
+``benchmarks/results/transport.json``.
 
 Usage: .venv/bin/python benchmarks/transport_bench.py [--mb 96] [--repeats 8]
 """

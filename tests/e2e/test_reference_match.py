@@ -185,6 +185,8 @@ def test_states_are_bit_identical_through_every_transport(generator, request):
             ):
                 where = f"{mode}: sequence {index}, layer #{layer}"
                 assert h.device.type == "cpu" and h.is_contiguous(), where
+                # its own rows, no more: torch.save writes what a clone's would
+                assert h.untyped_storage().nbytes() == h.nbytes, where
                 assert (w.dtype, w.shape) == (h.dtype, h.shape), where
                 assert torch.equal(w.cpu().view(torch.uint8), h.view(torch.uint8)), (
                     where

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import pickle
+from typing import Any
 
 import pytest
 import torch
 
 from specshim import SpecShimError
-from specshim.patches.worker import _shared_states, state_transport
+from specshim.patches.worker import _handed_states, _shared_states, state_transport
 from specshim.patches.worker._shared_states import HostRegion
 
 
@@ -76,8 +77,10 @@ class _Worker:
             self._specshim_region = HostRegion(directory)
 
 
-def _received(reply: list) -> list[torch.Tensor]:
-    return [pickle.loads(pickle.dumps(d, protocol=5)) for d in reply]
+def _received(reply: Any) -> list[torch.Tensor]:
+    if isinstance(reply, list):  # the fallback: one array per layer
+        return [pickle.loads(pickle.dumps(d, protocol=5)) for d in reply]
+    return pickle.loads(pickle.dumps(reply, protocol=5))
 
 
 @pytest.mark.parametrize("directory", [None, "/nonexistent-shm"])
@@ -93,34 +96,111 @@ def test_what_arrives_is_the_rows_in_the_pieces_order(directory):
     region = worker._specshim_region
     if directory is None:
         assert region.failure is None
-        assert not os.path.exists(region.path)  # unlinked once attached
+        assert not os.path.exists(region.slabs[0].path)  # unlinked once attached
         region.close()
     else:
         assert "could not hold" in region.failure
 
 
-def test_a_region_grows_and_old_views_keep_their_rows():
-    worker = _Worker([_forward([[1, 2]])])
-    first = _received(
-        state_transport.send(worker, worker._captured_states, [(0, 0, 2)])
+def test_a_clone_of_a_slice_is_handed_its_rows_and_saves_as_a_copy_would():
+    worker = _Worker([_forward([[1, 2, 3], [4, 5]])])
+    layers = _received(
+        state_transport.send(worker, worker._captured_states, [(0, 0, 5)])
     )
-    kept = first[0].clone()
+    want = [h.clone() for h in worker._captured_states[0]]
+    first, second = layers[0][0:3].clone(), layers[0][3:5].clone().cpu()
+    for got, copy in ((first, want[0][0:3].clone()), (second, want[0][3:5].clone())):
+        assert type(got) is torch.Tensor and torch.equal(got, copy)
+        assert got.untyped_storage().nbytes() == got.nbytes  # only its own rows
+        assert _saved(got) == _saved(copy)  # torch.save writes the same bytes
+    base = layers[0].data_ptr()
+    assert first.data_ptr() == base  # handed over, not copied
+    again = layers[0][2:4].clone()  # overlaps what was handed over: a copy
+    assert again.data_ptr() not in (base, first.data_ptr(), second.data_ptr())
+    assert torch.equal(again, want[0][2:4])
+    worker._specshim_region.close()
+
+
+def _saved(tensor: torch.Tensor) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"hidden_states": [tensor]}, buffer)
+    return buffer.getvalue()
+
+
+def test_a_slab_is_reused_only_once_the_caller_lets_go_of_its_rows():
+    import gc
+
+    worker = _Worker([_forward([[1, 2]])])
+    region = worker._specshim_region = HostRegion()
+
+    def fetch() -> list[torch.Tensor]:
+        reply = state_transport.send(worker, worker._captured_states, [(0, 0, 2)])
+        return _received(reply)
+
+    kept = fetch()[0][0:2].clone()  # the caller keeps one clone of the first call
+    copy = kept.clone()
+    worker._captured_states = _states([_forward([[7, 8]])])
+    gc.collect()
+    held = fetch()  # the first slab is not free: a second one
+    assert len(region.slabs) == 2 and torch.equal(kept, copy)
+    del kept, held
+    gc.collect()
+    fetch()
+    assert len(region.slabs) == 2  # both were free again: one was reused
+    plain = pickle.loads(pickle.dumps(fetch()[0]))  # a layer pickles as a tensor
+    assert type(plain) is torch.Tensor
+    region.close()
+
+
+def test_a_free_slab_too_small_is_retired_and_the_main_process_drops_it():
+    import gc
+
+    worker = _Worker([_forward([[1, 2]])])
+    region = worker._specshim_region = HostRegion()
+    _received(state_transport.send(worker, worker._captured_states, [(0, 0, 2)]))
+    small = region.slabs[0].path
+    assert small in _handed_states._ATTACHED
+    gc.collect()
     worker._captured_states = _states([_forward([list(range(3000))])])
     bigger = _received(
         state_transport.send(worker, worker._captured_states, [(0, 0, 3000)])
     )
-    assert bigger[0].shape == (3000, 2)
-    assert torch.equal(first[0], kept)  # the old mapping is still alive
-    worker._specshim_region.close()
+    assert bigger[0].shape == (3000, 2) and len(region.slabs) == 1
+    assert small not in _handed_states._ATTACHED
+    region.close()
+
+
+def test_a_caller_holding_every_slab_gets_the_fallback_with_one_warning(
+    monkeypatch, caplog
+):
+    monkeypatch.setattr(_shared_states, "MAX_SLABS", 2)
+    worker = _Worker([_forward([[1, 2]])])
+    region = worker._specshim_region = HostRegion()
+    held = [
+        _received(state_transport.send(worker, worker._captured_states, [(0, 0, 2)]))
+        for _ in range(4)
+    ]
+    assert len(region.slabs) == 2
+    assert all(torch.equal(h[0], held[0][0]) for h in held)
+    assert caplog.text.count("still holds the captured states of 2") == 1
+    region.close()
 
 
 def test_a_descriptor_of_an_overwritten_fetch_refuses_to_be_read():
+    import gc
+
     worker = _Worker([_forward([[1, 2]])])
     reply = state_transport.send(worker, worker._captured_states, [(0, 0, 2)])
-    stale = pickle.dumps(reply[0])
+    stale = pickle.dumps(reply)
+    del reply
+    pickle.loads(stale)  # read and let go: the slab is free again
+    gc.collect()
     _received(state_transport.send(worker, worker._captured_states, [(0, 0, 2)]))
-    rows = pickle.loads(stale)
-    assert isinstance(rows, _shared_states.Unattached)
+    assert len(worker._specshim_region.slabs) == 1
+    rows = pickle.loads(stale)[0]
+    assert isinstance(rows, _handed_states.Unattached)
     with pytest.raises(SpecShimError, match="overwritten before this process"):
         rows[0:1]
     worker._specshim_region.close()
@@ -192,17 +272,17 @@ def test_the_main_process_copies_on_lent_threads_and_gives_them_back(monkeypatch
 def test_regions_of_exited_workers_are_no_longer_held(monkeypatch):
     worker = _Worker([_forward([[1, 2]])])
     _received(state_transport.send(worker, worker._captured_states, [(0, 0, 2)]))
-    held = worker._specshim_region.path
-    assert held in _shared_states._ATTACHED
+    held = worker._specshim_region.slabs[0].path
+    assert held in _handed_states._ATTACHED
     other = _Worker([_forward([[1, 2]])])
     other._specshim_region = HostRegion()
     other._specshim_region.prefix = "specshim-states-999999999-beef"
     monkeypatch.setattr(
-        _shared_states, "pid_alive", lambda pid: pid != os.getpid()
+        _handed_states, "pid_alive", lambda pid: pid != os.getpid()
     )  # as if the first worker had exited
     _received(state_transport.send(other, other._captured_states, [(0, 0, 2)]))
-    assert held not in _shared_states._ATTACHED
-    assert other._specshim_region.path in _shared_states._ATTACHED
+    assert held not in _handed_states._ATTACHED
+    assert other._specshim_region.slabs[0].path in _handed_states._ATTACHED
     worker._specshim_region.close()
     other._specshim_region.close()
 

@@ -1,31 +1,44 @@
 """Captured states from a worker to the main process through shared host memory.
 
 The worker (tensor-parallel rank 0, which always shares the main process's
-host) copies a call's rows into one mapping of a file in ``/dev/shm``, pinned
-for the GPU's copy engine where CUDA allows it, and replies with one small
-``SharedRows`` descriptor per layer. Unpickled in the main process, a
-descriptor maps the same file and becomes a CPU tensor viewing it: no tensor
-is pickled, nothing lands on the main process's GPU, and the states are copied
-once on their way out of the worker instead of through ``torch.save``.
+host) copies a call's rows into a slab: one mapping of a file in
+``/dev/shm``, pinned for the GPU's copy engine where CUDA allows it. It
+replies with one small ``SharedStates`` descriptor. Unpickled in the main
+process, the descriptor maps the same file and becomes the list of layers,
+each a CPU tensor viewing the slab: no tensor is pickled, nothing lands on
+the main process's GPU, and the states are copied once on their way out of
+the worker instead of through ``torch.save``. This module is the worker's
+side; ``_handed_states`` is the main process's.
+
+The layers are ``HandOver`` tensors. speculators clones every sequence's
+slice of them (``h[a:b].clone().cpu()``); a ``HandOver`` answers such a clone
+with a tensor of its own over exactly those rows of the slab, instead of a
+copy into fresh memory (on an H200 host those copies took half of
+``generate()``'s time). The caller gets an ordinary CPU tensor, with its own
+storage of exactly its rows (``torch.save`` writes the same bytes as for a
+clone), that nothing else writes to. The one difference: its storage cannot
+be resized.
 
 Lifetime, the rule everything here relies on:
 
-* A worker's region holds one call's states. The next ``_get_captured_states``
-  overwrites it (or, when it must grow, moves to a new file; a main process
-  still holding views of the old one keeps that memory alive until they go).
-* The views are valid until the next fetch from the same worker. speculators
-  clones every slice it returns (``h[a:b].clone().cpu()``) inside the same
-  ``generate()``, before any further RPC, so what ``generate()`` returns is
-  owned by its caller. Nothing else in specshim keeps a view.
-* Each fetch stamps a generation number into the region's header after the
-  copies are complete; a descriptor attaches only to the generation it names.
-* The main process unlinks the file once it has mapped it (the worker mapped it
-  first), so a killed run leaves nothing in ``/dev/shm``; a worker unlinks
-  whatever the main process never attached when it exits.
+* A slab holds one call's states and is the caller's until the main process
+  lets go of every tensor over it (the layers, their slices and what their
+  clones returned): then a finalizer stamps the slab's header "released".
+* The worker writes only into a slab that is new or released. A call that
+  finds none free gets a new slab; a free slab too small for the call is
+  retired, and the next descriptor tells the main process to drop its mapping.
+  Where the caller keeps the states of ``MAX_SLABS`` calls alive, the next
+  calls' states travel as numpy arrays instead (a warning says so once).
+* Each fetch stamps a generation number into the slab's header after the
+  copies are complete; a descriptor attaches only to the generation it names,
+  so a stale one refuses to be read instead of returning other rows.
+* The main process unlinks a slab's file once it has mapped it (the worker
+  mapped it first), so a killed run leaves nothing in ``/dev/shm``; a worker
+  unlinks whatever the main process never attached when it exits.
 
-Where the region cannot be had (``/dev/shm`` missing or too small: a
-container's default is 64 MiB), the states travel as numpy arrays instead,
-which vLLM's message queue sends out of band; a warning names the cause once.
+Where no slab can be had (``/dev/shm`` missing or too small: a container's
+default is 64 MiB), the states travel as numpy arrays instead, which vLLM's
+message queue sends out of band; a warning names the cause once.
 """
 
 from __future__ import annotations
@@ -37,12 +50,11 @@ import os
 import secrets
 from typing import Any
 
-from specshim._base import pid_alive
-
 logger = logging.getLogger(__name__)
 
-HEADER = 4096  # the generation number sits in the first 8 bytes
-_GROW = 1.25  # grow with headroom, so slowly rising batch sizes do not remap often
+HEADER = 4096  # bytes 0-8: the fetch's generation; 8-16: the one released
+MAX_SLABS = 8  # calls whose states the caller may hold before the fallback
+_GROW = 1.25  # headroom, so slowly rising batch sizes do not retire slabs often
 _DIRECTORY = "/dev/shm"
 
 
@@ -55,77 +67,8 @@ def _dtype(name: str) -> Any:
     return dtype
 
 
-class Unattached:
-    """What a descriptor becomes when the main process cannot map it: any use
-    raises one line that says why (raising during unpickling would break
-    vLLM's reply queue instead)."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-    def _refuse(self, *_: Any) -> Any:
-        from specshim._base import SpecShimError
-
-        raise SpecShimError(self.reason)
-
-    __getitem__ = __len__ = __iter__ = _refuse
-
-
-_ATTACHED: dict[str, mmap.mmap] = {}  # main process: path -> mapping
-
-
-def attach(path: str, generation: int, offset: int, shape: Any, dtype: str) -> Any:
-    """Main process: a CPU tensor viewing the rows a worker put at ``offset``."""
-    import torch
-
-    mapping = _ATTACHED.get(path)
-    if mapping is None:
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            return Unattached(
-                f"the captured states are in {path}, which this process cannot "
-                f"open ({exc.strerror}): tensor-parallel rank 0 must run on the "
-                "same host as the process that calls generate(); "
-                "SPECSHIM_DISABLE=state-transport sends them through vLLM's "
-                "RPC queue instead (slow)"
-            )
-        try:
-            mapping = mmap.mmap(fd, 0)
-        finally:
-            os.close(fd)
-        _forget_older(path)
-        _ATTACHED[path] = mapping
-        _unlink(path)
-    found = int.from_bytes(mapping[:8], "little")
-    if found != generation:
-        return Unattached(
-            f"the captured states in {path} are of fetch {found}, not of fetch "
-            f"{generation}: they were overwritten before this process read them "
-            "(a specshim bug; please report it)"
-        )
-    count = 1
-    for size in shape:
-        count *= int(size)
-    rows = torch.frombuffer(
-        mapping, dtype=_dtype(dtype), count=count, offset=HEADER + offset
-    )
-    return rows.view(*shape)
-
-
-def _forget_older(path: str) -> None:
-    """Drop the mapping a worker used before it grew into ``path``, and those
-    of workers that have exited (a process that builds generator after
-    generator would otherwise keep every old region mapped)."""
-    owner = path.rsplit("-", 1)[0]
-    for old in list(_ATTACHED):
-        if old.rsplit("-", 1)[0] == owner or not pid_alive(_owner_pid(old)):
-            del _ATTACHED[old]  # views still held keep the memory alive
-
-
-def _owner_pid(path: str) -> int:
-    """The worker pid in ``.../specshim-states-PID-TOKEN-TOKEN``."""
-    return int(os.path.basename(path).split("-")[2])
+def _word(mapping: Any, at: int) -> int:
+    return int.from_bytes(mapping[at : at + 8], "little")
 
 
 def _unlink(path: str) -> None:
@@ -135,15 +78,22 @@ def _unlink(path: str) -> None:
         pass
 
 
-class SharedRows:
+class SharedStates:
     """Pickles as the instruction to map a worker's rows (see ``attach``)."""
 
     def __init__(
-        self, path: str, generation: int, offset: int, shape: Any, dtype: Any
+        self, path: str, generation: int, layers: Any, retired: Any = ()
     ) -> None:
-        self.args = (path, generation, offset, tuple(shape), str(dtype))
+        self.args = (
+            path,
+            generation,
+            tuple((int(o), tuple(s), str(d)) for o, s, d in layers),
+            tuple(retired),
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
+        from specshim.patches.worker._handed_states import attach
+
         return attach, self.args
 
 
@@ -171,57 +121,12 @@ def _uint8() -> Any:
     return torch.uint8
 
 
-class HostRegion:
-    """A worker's shared, growing mapping in ``/dev/shm`` (see the module
-    docstring for who may read it and until when)."""
+class Slab:
+    """One file in ``/dev/shm``, mapped by the worker."""
 
-    def __init__(self, directory: str = _DIRECTORY) -> None:
-        self.directory = directory
-        self.prefix = f"specshim-states-{os.getpid()}-{secrets.token_hex(4)}"
-        self.path: str | None = None
-        self.mapping: mmap.mmap | None = None
-        self.base: Any = None  # uint8 tensor over the whole mapping
-        self.pinned = False
-        self.pin_failed = False
-        self.generation = 0
-        self.failure: str | None = None  # why the fallback is in use
-        atexit.register(self.close)
-
-    def reserve(self, nbytes: int, pin: bool) -> Any | None:
-        """A uint8 tensor of at least ``nbytes`` after the header, or None
-        (the fallback is in use: ``failure`` says why)."""
-        if self.failure is not None:
-            return None
-        if self.base is None or self.base.numel() < HEADER + nbytes:
-            try:
-                self._grow(HEADER + int(nbytes * _GROW) + 1)
-            except OSError as exc:
-                self.close()
-                self.failure = (
-                    f"{self.directory} could not hold {nbytes / 2**20:.0f} MiB of "
-                    f"captured states ({exc.strerror or exc}); they travel through "
-                    "vLLM's message queue instead, more slowly. A container needs "
-                    "a larger /dev/shm (docker run --shm-size)"
-                )
-                logger.warning("specshim: %s", self.failure)
-                return None
-        if pin and not (self.pinned or self.pin_failed):
-            self._pin()
-        return self.base[HEADER:]
-
-    def stamp(self) -> int:
-        """Mark the region as holding a new fetch's rows (after the copies)."""
-        assert self.mapping is not None
-        self.generation += 1
-        self.mapping[:8] = self.generation.to_bytes(8, "little")
-        return self.generation
-
-    def _grow(self, size: int) -> None:
+    def __init__(self, path: str, size: int) -> None:
         import torch
 
-        size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
-        self.close()
-        path = os.path.join(self.directory, f"{self.prefix}-{secrets.token_hex(4)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # tmpfs allocates lazily: reserve now, or a full /dev/shm kills the
@@ -235,8 +140,22 @@ class HostRegion:
             os.close(fd)
         self.path, self.mapping = path, mapping
         self.base = torch.frombuffer(mapping, dtype=torch.uint8)
+        self.generation = 0
+        self.pinned = False
 
-    def _pin(self) -> None:
+    @property
+    def capacity(self) -> int:
+        return self.base.numel() - HEADER
+
+    def free(self) -> bool:
+        """New, or released by the main process since its last fetch."""
+        return self.generation == _word(self.mapping, 8)
+
+    def stamp(self, generation: int) -> None:
+        self.generation = generation
+        self.mapping[:8] = generation.to_bytes(8, "little")
+
+    def pin(self) -> bool:
         import torch
 
         result = torch.cuda.cudart().cudaHostRegister(
@@ -249,18 +168,104 @@ class HostRegion:
                 self.base.numel() >> 20,
                 result,
             )
-            self.pin_failed = True
-            return
+            return False
         self.pinned = True
+        return True
 
     def close(self) -> None:
         """Unpin and drop the mapping; remove the file if nobody attached it."""
-        if self.pinned and self.base is not None:
+        if self.pinned:
             import torch
 
             torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
         self.pinned = False
         self.base = self.mapping = None  # views elsewhere keep the memory alive
-        if self.path is not None:
-            _unlink(self.path)
-            self.path = None
+        _unlink(self.path)
+
+
+class HostRegion:
+    """A worker's slabs (see the module docstring for who may write them and
+    when)."""
+
+    def __init__(self, directory: str = _DIRECTORY) -> None:
+        self.directory = directory
+        self.prefix = f"specshim-states-{os.getpid()}-{secrets.token_hex(4)}"
+        self.slabs: list[Slab] = []
+        self.retired: list[str] = []  # closed since the last descriptor
+        self.generation = 0
+        self.pin_failed = False
+        self.failure: str | None = None  # why the fallback is in use for good
+        self.warned_full = False
+        atexit.register(self.close)
+
+    def reserve(self, nbytes: int, pin: bool) -> Slab | None:
+        """A free slab of at least ``nbytes``, or None: this call's states
+        take the fallback (``failure`` says why, where it is for good)."""
+        if self.failure is not None:
+            return None
+        free = [s for s in self.slabs if s.free()]
+        fitting = [s for s in free if s.capacity >= nbytes]
+        if fitting:
+            slab = min(fitting, key=lambda s: s.capacity)
+        else:
+            if free:
+                self._retire(min(free, key=lambda s: s.capacity))
+            elif len(self.slabs) >= MAX_SLABS:
+                self._full()
+                return None
+            slab = self._grow(HEADER + int(nbytes * _GROW) + 1)
+            if slab is None:
+                return None
+        if pin and not (slab.pinned or self.pin_failed):
+            self.pin_failed = not slab.pin()
+        return slab
+
+    def stamp(self, slab: Slab) -> int:
+        """Mark ``slab`` as holding a new fetch's rows (after the copies)."""
+        self.generation += 1
+        slab.stamp(self.generation)
+        return self.generation
+
+    def take_retired(self) -> tuple[str, ...]:
+        retired, self.retired = tuple(self.retired), []
+        return retired
+
+    def _grow(self, size: int) -> Slab | None:
+        size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        path = os.path.join(self.directory, f"{self.prefix}-{secrets.token_hex(4)}")
+        try:
+            slab = Slab(path, size)
+        except OSError as exc:
+            reason = (
+                f"{self.directory} could not hold {size / 2**20:.0f} MiB of "
+                f"captured states ({exc.strerror or exc}); they travel through "
+                "vLLM's message queue instead, more slowly. A container needs "
+                "a larger /dev/shm (docker run --shm-size)"
+            )
+            if not self.slabs:
+                self.failure = reason
+            logger.warning("specshim: %s", reason)
+            return None
+        self.slabs.append(slab)
+        return slab
+
+    def _retire(self, slab: Slab) -> None:
+        self.slabs.remove(slab)
+        self.retired.append(slab.path)
+        slab.close()
+
+    def _full(self) -> None:
+        if not self.warned_full:
+            self.warned_full = True
+            logger.warning(
+                "specshim: the caller still holds the captured states of %d "
+                "generate() calls; while it does, further calls' states travel "
+                "through vLLM's message queue, more slowly",
+                MAX_SLABS,
+            )
+
+    def close(self) -> None:
+        """Drop every slab (files nobody attached are removed)."""
+        for slab in self.slabs:
+            slab.close()
+        self.slabs = []

@@ -17,11 +17,14 @@ Why:
     run of rows is matched to its sequence by the tokens ``row-provenance``
     recorded for it, and the provenance record is permuted the same way, so
     the guard proves exactly what is returned and takes its fast path), copies
-    them once into a shared, pinned host region and replies with a descriptor
-    per layer that maps the region in the main process
+    them once into a slab of shared, pinned host memory and replies with a
+    small descriptor that maps the slab in the main process
     (``_shared_states``). speculators gets CPU tensors of the same values,
-    shape and dtype as before and slices them as before; what ``generate()``
-    returns is bit for bit what the old path returned.
+    shape and dtype as before and slices them as before; each clone it takes
+    of a sequence's slice is handed the slab's rows under it instead of a
+    fresh copy, and the slab is reused only once the caller has let go of
+    them. What ``generate()`` returns is bit for bit what the old path
+    returned.
 Upstream change:
     None: speculators 0.3.0's reply path as written for vLLM 0.11. vLLM's
     message queue sends numpy buffers out of band but never torch tensors.
@@ -40,7 +43,12 @@ from specshim._base import SpecShimError
 from specshim._types import Incompatible
 from specshim.patches._rows import match_runs
 from specshim.patches._util import declare
-from specshim.patches.worker._shared_states import HostRegion, OwnedRows, SharedRows
+from specshim.patches.worker._shared_states import (
+    HEADER,
+    HostRegion,
+    OwnedRows,
+    SharedStates,
+)
 
 Piece = tuple[int, int, int]  # (forward, first row in it, rows)
 _ALIGN = 4096  # each layer's rows start on a page
@@ -94,7 +102,7 @@ def merged(pieces: list[Piece]) -> list[Piece]:
     return out
 
 
-def get_captured_states(self: Any) -> list[Any] | None:
+def get_captured_states(self: Any) -> Any:
     """Replacement for ``HiddenStatesWorkerExtension._get_captured_states``."""
     captured = self._captured_states
     expected = getattr(self, "_specshim_expected", None)
@@ -115,9 +123,9 @@ def get_captured_states(self: Any) -> list[Any] | None:
     return send(self, captured, pieces)
 
 
-def send(worker: Any, captured: list[list[Any]], pieces: list[Piece]) -> list[Any]:
-    """Copy the pieces of every layer into the worker's shared region and
-    return a descriptor per layer (or, without a region, the rows as numpy)."""
+def send(worker: Any, captured: list[list[Any]], pieces: list[Piece]) -> Any:
+    """Copy the pieces of every layer into a free slab of the worker's shared
+    region and return its descriptor (or, without a slab, the rows as numpy)."""
     import torch
 
     first = captured[0][0]
@@ -128,9 +136,10 @@ def send(worker: Any, captured: list[list[Any]], pieces: list[Piece]) -> list[An
     region = getattr(worker, "_specshim_region", None)
     if region is None:
         region = worker._specshim_region = HostRegion()
-    data = region.reserve(stride * len(captured), pin=first.is_cuda)
-    if data is None:
+    slab = region.reserve(stride * len(captured), pin=first.is_cuda)
+    if slab is None:
         return [OwnedRows(_gathered(layer, pieces).cpu()) for layer in captured]
+    data = slab.base[HEADER:]
     for k, layer in enumerate(captured):
         into = data[k * stride : k * stride + layer_bytes].view(first.dtype)
         into = into.view(total, *row_shape)
@@ -142,13 +151,10 @@ def send(worker: Any, captured: list[list[Any]], pieces: list[Piece]) -> list[An
             done += n
     if first.is_cuda:
         torch.cuda.current_stream().synchronize()
-    generation = region.stamp()
-    return [
-        SharedRows(
-            region.path, generation, k * stride, (total, *row_shape), first.dtype
-        )
-        for k in range(len(captured))
+    layers = [
+        (k * stride, (total, *row_shape), first.dtype) for k in range(len(captured))
     ]
+    return SharedStates(slab.path, region.stamp(slab), layers, region.take_retired())
 
 
 def _gathered(layer: list[Any], pieces: list[Piece]) -> Any:
