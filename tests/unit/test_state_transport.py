@@ -121,6 +121,22 @@ def test_a_clone_of_a_slice_is_handed_its_rows_and_saves_as_a_copy_would():
     worker._specshim_region.close()
 
 
+def test_the_fallback_hands_its_rows_over_too_and_never_read_only_memory():
+    import numpy as np
+
+    worker = _Worker([_forward([[1, 2, 3], [4, 5]])], "/nonexistent-shm")
+    layers = _received(
+        state_transport.send(worker, worker._captured_states, [(0, 0, 5)])
+    )
+    got = layers[1][3:5].clone()
+    assert got.data_ptr() == layers[1].data_ptr() + 3 * 2 * 2  # handed over
+    assert torch.equal(got, worker._captured_states[1][0][3:5])
+    frozen = np.frombuffer(bytes(8), dtype=np.uint8)  # as a queue may deliver it
+    rows = _handed_states.received(frozen, (2, 2), "torch.bfloat16")
+    rows[0:1].clone().add_(1)  # writable: the read-only buffer was copied
+    assert frozen.tolist() == [0] * 8
+
+
 def _saved(tensor: torch.Tensor) -> bytes:
     import io
 

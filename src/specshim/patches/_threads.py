@@ -9,6 +9,12 @@ cProfile, about 2 GB/s: each clone writes fresh memory, which the kernel maps
 in page by page). The workers wait for the next RPC while the main process
 clones, so nothing contends: ``generate-guard`` lends the clones up to
 ``COPY_THREADS`` cores for the call and gives the old setting back after it.
+
+Since then ``state-transport`` hands those clones the rows they ask for
+instead of copying them (``patches/worker/_handed_states.py``); the threads
+still serve the paths that copy: the states pickled through the RPC queue
+(``SPECSHIM_DISABLE=state-transport``) and the guard's re-slicing where the
+workers cannot order rows.
 """
 
 from __future__ import annotations

@@ -18,7 +18,16 @@ import weakref
 from typing import Any
 
 from specshim._base import pid_alive
-from specshim.patches.worker._shared_states import HEADER, _dtype, _unlink, _word
+from specshim.patches.worker._shared_states import HEADER, _unlink, _word
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    dtype = getattr(torch, name.rsplit(".", 1)[-1], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name}")
+    return dtype
 
 
 class Unattached:
@@ -58,8 +67,18 @@ def attach(path: str, generation: int, layers: Any, retired: Any = ()) -> list[A
             "(a specshim bug; please report it)"
         )
         return [stale for _ in layers]
-    lease = _Lease(mapping, generation)
+    lease = _Lease.of_slab(mapping, generation)
     return [lease.layer(offset, shape, dtype) for offset, shape, dtype in layers]
+
+
+def received(raw: Any, shape: Any, dtype: str) -> Any:
+    """Main process: the fallback's rows (a numpy array of bytes that vLLM's
+    queue received out of band, this process's alone) as a ``HandOver``; a
+    read-only buffer is copied first, so that what the caller gets is
+    writable as a clone is."""
+    if not raw.flags.writeable:
+        raw = raw.copy()
+    return _Lease(raw).layer(0, shape, dtype)
 
 
 def _map(path: str) -> Any:
@@ -99,17 +118,23 @@ def _release(mapping: Any, generation: int) -> None:
 
 
 class _Lease:
-    """One fetch's slab as the main process sees it: a numpy array over the
-    mapping that every tensor handed out keeps alive (through the numpy views
-    under their storages); when the last one goes, the slab is released."""
+    """Memory the main process alone holds, as a numpy array of bytes that
+    every tensor handed out keeps alive (through the numpy views under their
+    storages): a fetch's slab (released to the worker when the last tensor
+    goes), or the fallback's received buffer (nothing to release)."""
 
-    def __init__(self, mapping: Any, generation: int) -> None:
+    def __init__(self, array: Any, floor: int = 0) -> None:
+        self.array, self.floor = array, floor  # rows start at ``floor``
+        self.address = array.ctypes.data
+        self.taken: list[tuple[int, int]] = []  # byte ranges handed out
+
+    @classmethod
+    def of_slab(cls, mapping: Any, generation: int) -> _Lease:
         import numpy as np
 
-        self.array = np.frombuffer(mapping, dtype=np.uint8)
-        self.address = self.array.ctypes.data
-        self.taken: list[tuple[int, int]] = []  # byte ranges handed out
-        weakref.finalize(self.array, _release, mapping, generation).atexit = False
+        lease = cls(np.frombuffer(mapping, dtype=np.uint8), HEADER)
+        weakref.finalize(lease.array, _release, mapping, generation).atexit = False
+        return lease
 
     def tensor(self, start: int, nbytes: int, dtype: Any, shape: Any) -> Any:
         import torch
@@ -125,7 +150,7 @@ class _Lease:
         for size in shape:
             count *= int(size)
         nbytes = count * torch.empty((), dtype=kind).element_size()
-        rows = self.tensor(HEADER + offset, nbytes, kind, shape)
+        rows = self.tensor(self.floor + offset, nbytes, kind, shape)
         rows = rows.as_subclass(hand_over_class())
         rows._specshim_lease = self
         return rows
@@ -137,7 +162,7 @@ class _Lease:
             return None
         start = view.data_ptr() - self.address
         end = start + view.numel() * view.element_size()
-        if start < HEADER or end > self.array.size:
+        if start < self.floor or end > self.array.size:
             return None
         if any(start < b and a < end for a, b in self.taken):
             return None

@@ -58,15 +58,6 @@ _GROW = 1.25  # headroom, so slowly rising batch sizes do not retire slabs often
 _DIRECTORY = "/dev/shm"
 
 
-def _dtype(name: str) -> Any:
-    import torch
-
-    dtype = getattr(torch, name.rsplit(".", 1)[-1], None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name}")
-    return dtype
-
-
 def _word(mapping: Any, at: int) -> int:
     return int.from_bytes(mapping[at : at + 8], "little")
 
@@ -97,22 +88,18 @@ class SharedStates:
         return attach, self.args
 
 
-def _from_bytes(raw: Any, shape: Any, dtype: str) -> Any:
-    import torch
-
-    return torch.from_numpy(raw).view(_dtype(dtype)).view(*shape)
-
-
 class OwnedRows:
     """The fallback: rows as a numpy array of bytes (sent out of band by
-    vLLM's message queue), a fresh CPU tensor in the main process."""
+    vLLM's message queue), handed over in the main process like a slab's."""
 
     def __init__(self, rows: Any) -> None:
         self.rows = rows.contiguous()
 
     def __reduce__(self) -> tuple[Any, ...]:
+        from specshim.patches.worker._handed_states import received
+
         raw = self.rows.view(-1).view(_uint8()).numpy()
-        return _from_bytes, (raw, tuple(self.rows.shape), str(self.rows.dtype))
+        return received, (raw, tuple(self.rows.shape), str(self.rows.dtype))
 
 
 def _uint8() -> Any:
