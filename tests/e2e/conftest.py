@@ -97,31 +97,11 @@ BUDGETS: dict[str, dict[str, Any]] = {
 
 
 def close_generator(generator: Any) -> None:
-    """Shut the workers down and close the main process's queue sockets.
+    """Shut the workers down and close the main process's queue sockets
+    (what ``close-at-exit`` does for a generator still open at exit)."""
+    from specshim.patches.main.close_at_exit import close
 
-    From vLLM 0.29 (seen on 0.30), shutting down a reader ``MessageQueue``
-    leaves a cancel ping in an in-process PAIR socket whose linger is infinite.
-    After a worker error the queues sit in a reference cycle with the
-    traceback, and the next full garbage collection (pytest runs one at exit)
-    terminates their zmq context, which then waits for that socket forever.
-    """
-    executor = generator.executor
-    queues = [
-        getattr(executor, "rpc_broadcast_mq", None),
-        *(getattr(executor, "response_mqs", None) or ()),
-    ]
-    executor.shutdown()
-    for queue in queues:
-        _close_sockets(queue)
-        _close_sockets(getattr(queue, "_spin_condition", None))
-
-
-def _close_sockets(owner: Any) -> None:
-    import zmq
-
-    for value in list(vars(owner).values()) if owner is not None else ():
-        if isinstance(value, zmq.Socket) and not value.closed:
-            value.close(linger=0)
+    close(generator)
 
 
 def shutdown_half_built(error: BaseException) -> bool:

@@ -510,3 +510,49 @@ def test_bytes_that_are_no_torch_file_are_a_bad_sample_not_a_traceback(
     path.write_bytes(content)
     data, why = load_sample(path)
     assert data is None and why.startswith("cannot be loaded safely"), why
+
+
+def test_a_stalled_start_up_says_every_interval_what_it_waits_for(
+    tmp_path, tiny_model_dir, fake, monkeypatch, caplog
+):
+    """While vLLM starts, extract logs the time so far and the phase, read
+    from the main thread's stack (here a fake start-up that stalls in two of
+    speculators' steps)."""
+    import logging
+    import time
+
+    from specshim.job import startup
+
+    monkeypatch.setattr(startup, "INTERVAL", 0.05)
+
+    class Executor:
+        def collective_rpc(self, method):  # noqa: ARG002 - read from the stack
+            time.sleep(0.4)
+
+    def wait_for_ready():
+        time.sleep(0.4)
+
+    def make(options, layers):
+        wait_for_ready()
+        Executor().collective_rpc("determine_available_memory")
+        fake.append(FakeGenerator())
+        return fake[-1]
+
+    monkeypatch.setattr(_extract, "_make_generator", make)
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 2]}])
+    with caplog.at_level(logging.INFO, logger="specshim.job.extract"):
+        extract(_options(tiny_model_dir("llama"), data, tmp_path / "out"))
+    lines = [
+        r.getMessage() for r in caplog.records if "still starting" in r.getMessage()
+    ]
+    loading = [x for x in lines if x.endswith("loading the weights")]
+    profiling = [x for x in lines if x.endswith(": profiling memory")]
+    assert (
+        loading and profiling and lines.index(loading[-1]) < lines.index(profiling[0])
+    )
+    assert all("s so far)" in x for x in lines)
+    count = len(lines)
+    time.sleep(0.2)  # the watcher stopped with the start-up
+    assert (
+        len([r for r in caplog.records if "still starting" in r.getMessage()]) == count
+    )

@@ -27,6 +27,7 @@ from typing import Any
 from specshim import _settings
 from specshim._base import SpecShimError, UsageError
 from specshim._settings import STEP_DEFAULTS, trust_remote_code
+from specshim.job import startup
 from specshim.job import store as _store
 from specshim.job.checkpoint import (
     check_against_model,
@@ -247,7 +248,7 @@ class _Pipeline:
                 float(self.settings["cache_memory_fraction"]["value"]),
             )
             logger.info("extract: vLLM CPU KV-cache space %d GiB (%s)", space, source)
-        with cpu_kv_cache_space(space):
+        with cpu_kv_cache_space(space), startup.announced():
             self.generator = _make_generator(options, self.layers)
         bar = sys.stderr.isatty() if options.progress is None else options.progress
         self.progress = Progress(bar)
@@ -329,7 +330,9 @@ def _generate(generator: Any, batch: list[Todo], writer: Writer) -> list[Any]:
 
 
 def _shutdown(generator: Any) -> None:
+    from specshim.patches.main.close_at_exit import close
+
     try:
-        generator.executor.shutdown()
+        close(generator)
     except Exception:  # noqa: BLE001 - best effort on the way out
         logger.debug("executor shutdown failed", exc_info=True)

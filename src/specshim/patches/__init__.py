@@ -16,6 +16,7 @@ DEPS = ("transformers_torch_annotation",)
 MAIN = (
     "remote_code_gate",
     "remote_code_tokenizer",
+    "close_at_exit",
     "scheduler_config_initvars",
     "chunked_prefill_off",
     "async_scheduling_off",

@@ -1,0 +1,130 @@
+"""Generators still open when the interpreter exits are shut down first, quietly.
+
+Why:
+    speculators shuts a generator's workers down only in ``__del__``. A script
+    that keeps its generator until it ends (a module-level variable, a pytest
+    fixture without a teardown, a generator caught in a reference cycle)
+    reaches interpreter shutdown with the workers alive: multiprocessing's
+    exit hook terminates them, vLLM's worker monitor logs "Worker proc
+    VllmWorker-0 died unexpectedly", and ``__del__`` runs only after module
+    globals are cleared, printing "Exception ignored in ... __del__"
+    ('NoneType' object has no attribute 'warning'). And from vLLM 0.29 a
+    message queue holds an in-process PAIR socket whose linger is infinite:
+    once the queue was shut down (vLLM does it after a worker error), the
+    garbage collection of its zmq context waits for that socket forever, and
+    a test run does not exit after its summary.
+
+    This patch records every generator built, sets the linger of its
+    executor's queue sockets to zero (nothing is left to deliver once a queue
+    is being torn down), and registers an exit hook that runs before
+    multiprocessing's: it shuts each open generator's executor down, closes
+    the sockets and removes the executor, so speculators' ``__del__`` has
+    nothing left to do. ``close(generator)`` does the same at any time.
+Upstream change:
+    None by itself: speculators 0.3.0 closes its executor only in ``__del__``;
+    vLLM 0.29 added the queues' cancel sockets (``shm_broadcast.py``).
+Upstream PR:
+    none: not an upstream change.
+Remove when:
+    speculators closes its generator at exit (a ``close()`` and an exit hook).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import weakref
+from typing import Any
+
+from specshim._types import Incompatible
+from specshim.patches._util import declare
+
+logger = logging.getLogger(__name__)
+
+_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
+_HOOKED: list[bool] = []
+
+
+def close(generator: Any) -> None:
+    """Shut the generator's workers down and close its queue sockets; the
+    generator cannot generate afterwards. Doing it twice does nothing."""
+    _OPEN.discard(generator)
+    executor = vars(generator).pop("executor", None)
+    if executor is None:
+        return
+    queues = _queues(executor)
+    try:
+        executor.shutdown()
+    finally:
+        for owner in queues:
+            for socket in _sockets(owner):
+                if not socket.closed:
+                    socket.close(linger=0)
+
+
+def _queues(executor: Any) -> list[Any]:
+    """The executor's message queues and their spin conditions (vLLM 0.29+)."""
+    queues = [
+        getattr(executor, "rpc_broadcast_mq", None),
+        *(getattr(executor, "response_mqs", None) or ()),
+    ]
+    owners = [*queues, *(getattr(q, "_spin_condition", None) for q in queues)]
+    return [owner for owner in owners if owner is not None]
+
+
+def _sockets(owner: Any) -> list[Any]:
+    import zmq
+
+    found = getattr(owner, "__dict__", {}).values()
+    return [value for value in found if isinstance(value, zmq.Socket)]
+
+
+def _no_linger(executor: Any) -> None:
+    import zmq
+
+    for owner in _queues(executor):
+        for socket in _sockets(owner):
+            if not socket.closed:
+                socket.setsockopt(zmq.LINGER, 0)
+
+
+def _close_open() -> None:
+    for generator in list(_OPEN):
+        try:
+            close(generator)
+        except Exception as exc:  # noqa: BLE001 - exiting: say it, go on
+            logger.debug("specshim: closing a generator at exit: %r", exc)
+
+
+def _build(original: Any) -> Any:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        original(self, *args, **kwargs)
+        executor = vars(self).get("executor")
+        if executor is None:
+            return
+        _no_linger(executor)
+        _OPEN.add(self)
+        if not _HOOKED:  # registered after vLLM imported multiprocessing:
+            _HOOKED.append(True)  # exit hooks run last-registered first
+            atexit.register(_close_open)
+
+    __init__.__specshim__ = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def _probe(original: Any) -> None:
+    if original is None or not callable(original):
+        raise Incompatible("VllmHiddenStatesGenerator.__init__", repr(original))
+
+
+PATCH = declare(
+    __name__,
+    __doc__,
+    id="close-at-exit",
+    attribute="VllmHiddenStatesGenerator.__init__",
+    versions=">=0.11",
+    probe=_probe,
+    build=_build,
+)
