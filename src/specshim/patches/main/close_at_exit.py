@@ -37,8 +37,7 @@ import logging
 import weakref
 from typing import Any
 
-from specshim._types import Incompatible
-from specshim.patches._util import declare
+from specshim.patches._util import declare, require_callable
 
 logger = logging.getLogger(__name__)
 
@@ -114,17 +113,12 @@ def _build(original: Any) -> Any:
     return __init__
 
 
-def _probe(original: Any) -> None:
-    if original is None or not callable(original):
-        raise Incompatible("VllmHiddenStatesGenerator.__init__", repr(original))
-
-
 PATCH = declare(
     __name__,
     __doc__,
     id="close-at-exit",
     attribute="VllmHiddenStatesGenerator.__init__",
     versions=">=0.11",
-    probe=_probe,
+    probe=require_callable("VllmHiddenStatesGenerator.__init__"),
     build=_build,
 )
