@@ -59,15 +59,20 @@ def _run(
         for line in stream:  # process would keep the pipe open: a thread
             lines.append((time.monotonic(), name, line.rstrip()))
 
-    for stream, name in ((process.stdout, "stdout"), (process.stderr, "stderr")):
-        threading.Thread(target=read, args=(stream, name), daemon=True).start()
+    readers = [
+        threading.Thread(target=read, args=(stream, name), daemon=True)
+        for stream, name in ((process.stdout, "stdout"), (process.stderr, "stderr"))
+    ]
+    for reader in readers:
+        reader.start()
     try:
         process.wait(timeout=RUNS_WITHIN)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
     ended = time.monotonic()
-    time.sleep(0.5)  # the readers' last lines
+    for reader in readers:  # the last lines; a pipe a worker keeps open
+        reader.join(timeout=5)  # counts as output never printed
     lines.sort()
     seen = [i for i, (_, _, text) in enumerate(lines) if marker in text]
     assert seen, f"{marker!r} never printed:\n" + "\n".join(x for *_, x in lines[-30:])

@@ -52,14 +52,12 @@ def close(generator: Any) -> None:
     executor = vars(generator).pop("executor", None)
     if executor is None:
         return
-    queues = _queues(executor)
+    owners = _queues(executor)  # read first: shutdown() drops the queues
     try:
         executor.shutdown()
     finally:
-        for owner in queues:
-            for socket in _sockets(owner):
-                if not socket.closed:
-                    socket.close(linger=0)
+        for socket in _open_sockets(owners):
+            socket.close(linger=0)
 
 
 def _queues(executor: Any) -> list[Any]:
@@ -72,20 +70,23 @@ def _queues(executor: Any) -> list[Any]:
     return [owner for owner in owners if owner is not None]
 
 
-def _sockets(owner: Any) -> list[Any]:
+def _open_sockets(owners: list[Any]) -> list[Any]:
+    """The zmq sockets the owners hold that are still open."""
     import zmq
 
-    found = getattr(owner, "__dict__", {}).values()
-    return [value for value in found if isinstance(value, zmq.Socket)]
+    return [
+        value
+        for owner in owners
+        for value in getattr(owner, "__dict__", {}).values()
+        if isinstance(value, zmq.Socket) and not value.closed
+    ]
 
 
 def _no_linger(executor: Any) -> None:
     import zmq
 
-    for owner in _queues(executor):
-        for socket in _sockets(owner):
-            if not socket.closed:
-                socket.setsockopt(zmq.LINGER, 0)
+    for socket in _open_sockets(_queues(executor)):
+        socket.setsockopt(zmq.LINGER, 0)
 
 
 def _close_open() -> None:

@@ -12,6 +12,7 @@ write there again.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import weakref
@@ -143,13 +144,8 @@ class _Lease:
         return raw.view(dtype).view(*shape)
 
     def layer(self, offset: int, shape: Any, dtype: str) -> Any:
-        import torch
-
         kind = _dtype(dtype)
-        count = 1
-        for size in shape:
-            count *= int(size)
-        nbytes = count * torch.empty((), dtype=kind).element_size()
+        nbytes = math.prod(int(size) for size in shape) * kind.itemsize
         rows = self.tensor(self.floor + offset, nbytes, kind, shape)
         rows = rows.as_subclass(hand_over_class())
         rows._specshim_lease = self
