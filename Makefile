@@ -40,15 +40,16 @@ test-e2e: setup
 # GPU and the registries. It unsets nothing for you: run it as a user would,
 # without VLLM_WORKER_MULTIPROC_METHOD, VLLM_USE_V2_MODEL_RUNNER or
 # PYTORCH_NVML_BASED_CUDA_CHECK (it refuses to run under them). On a host
-# that reaches no registry, run `python3 -m pytest tests/gpu` in the bundle
-# of ../shared/gpu/README.md instead.
+# that reaches no registry, run `python3 -m tests.gpu.tier` in the bundle
+# of ../shared/gpu/README.md instead. Two pytest processes share the GPU
+# (tests/gpu/tier.py; `PYTEST_ARGS=...` passes through, `--jobs 1` serialises).
 GPU_VENV := .venv-gpu
 test-gpu:
 	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_VENV)/bin/python -m pip install -q uv
 	$(GPU_VENV)/bin/uv pip install --python $(GPU_VENV)/bin/python \
 		-r requirements/gpu-stack.txt -e .
-	$(GPU_VENV)/bin/python -m pytest tests/gpu -p timeout --timeout 900 $(PYTEST_ARGS)
+	$(GPU_VENV)/bin/python -m tests.gpu.tier -p timeout --timeout 900 $(PYTEST_ARGS)
 
 # `specshim export` read by the newest speculators' own dataset class: a peer
 # environment (.venv-export, requirements/export-peer.txt) runs the reader,
