@@ -16,35 +16,34 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 FENCE = re.compile(r"^\s*(```|~~~)")
-CODE_SPAN = re.compile(r"(`+).*?\1")
-# [text](target) and ![alt](target); a target may be wrapped in <...> and may
-# carry a "title" after it.
+# A code span may wrap lines inside a paragraph, never across a blank line.
+CODE_SPAN = re.compile(r"(`+)(?:(?!\n\s*\n).)*?\1", re.DOTALL)
+# [text](target) and ![alt](target), the text possibly wrapped; a target may
+# be wrapped in <...> and may carry a "title" after it.
 INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]*)>?[^)]*\)")
-REFERENCE_DEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)")
+REFERENCE_DEF = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?([^\s>]+)", re.MULTILINE)
 HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)
 
 
-def _prose_lines(text: str) -> list[tuple[int, str]]:
-    """(line number, line) outside fenced code blocks."""
+def _prose_lines(text: str) -> list[str]:
+    """The lines, those of fenced code blocks (fences included) made empty."""
     lines, fenced = [], False
-    for number, line in enumerate(text.splitlines(), 1):
+    for line in text.splitlines():
         if FENCE.match(line):
             fenced = not fenced
-            continue
-        if not fenced:
-            lines.append((number, line))
+            lines.append("")
+        else:
+            lines.append("" if fenced else line)
     return lines
 
 
 def links(text: str) -> list[tuple[int, str]]:
     """(line number, target) of every link outside code."""
-    found = []
-    for number, line in _prose_lines(text):
-        prose = CODE_SPAN.sub("", line)
-        found += [(number, m.group(1)) for m in INLINE_LINK.finditer(prose)]
-        found += [(number, m.group(1)) for m in REFERENCE_DEF.finditer(prose)]
-    return found
+    prose = "\n".join(_prose_lines(text))
+    prose = CODE_SPAN.sub(lambda m: "\n" * m.group(0).count("\n"), prose)
+    found = [*INLINE_LINK.finditer(prose), *REFERENCE_DEF.finditer(prose)]
+    return sorted((prose.count("\n", 0, m.start()) + 1, m.group(1)) for m in found)
 
 
 def slug(heading: str) -> str:
@@ -58,7 +57,7 @@ def anchors(text: str) -> set[str]:
     """Every heading's slug; a repeated one also as slug-1, slug-2, ..."""
     seen: dict[str, int] = {}
     found = set()
-    for _, line in _prose_lines(text):
+    for line in _prose_lines(text):
         match = HEADING.match(line)
         if not match:
             continue
@@ -105,13 +104,15 @@ def test_the_checker_sees_a_broken_link(tmp_path):
     page.write_text(
         "[ok](there.md#a-heading-with-punctuation) [ok](there.md#twice-1) "
         "[ok](#mine) [gone](missing.md) [bad anchor](there.md#nope)\n"
-        "`[in code](missing.md)` [web](https://example.com/x)\n"
+        "`[in code](missing.md)` [web](https://example.com/x) `a code\n"
+        "span](missing.md)` [wrapped\ntext](there.md#twice-2)\n"
         "```\n[fenced](missing.md)\n```\n"
         "[out](../elsewhere.md)\n\n# Mine\n"
     )
     assert [line.split(": ", 1)[1] for line in broken(page, root)] == [
         "missing.md: no such file",
         "there.md#nope: no heading #nope in there.md",
+        "there.md#twice-2: no heading #twice-2 in there.md",
         "../elsewhere.md: leaves the repository",
     ]
 
