@@ -1,4 +1,4 @@
-"""Generated blocks in hand-written files (README tables, docs/drift.md).
+"""Generated blocks in hand-written files (the tables of docs/ pages).
 
 A block sits between two marker comments; whatever is between them belongs to
 the generator, everything around them to the author. One writer serves the

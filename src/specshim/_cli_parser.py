@@ -360,15 +360,16 @@ def _add_table(
         commands,
         "table",
         "Print the patch table (markdown) generated from the patch files; "
-        "--write updates the generated tables in README.md and docs/drift.md.",
-        "specshim table --write README.md --write docs/drift.md",
+        "--write updates the generated tables in docs/how-it-works.md and "
+        "docs/drift.md.",
+        "specshim table --write docs/how-it-works.md --write docs/drift.md",
     )
     table.add_argument(
         "--write",
         metavar="FILE",
         action="append",
-        help="update the generated tables in this file (README.md, docs/drift.md); "
-        "repeatable",
+        help="update the generated tables in this file (docs/how-it-works.md, "
+        "docs/drift.md); repeatable",
     )
     table.add_argument(
         "--drift", action="store_true", help="print the drift table instead"

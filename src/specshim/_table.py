@@ -1,4 +1,5 @@
-"""Tables generated from the patch files: the README's and docs/drift.md's."""
+"""Tables generated from the patch files: docs/how-it-works.md's patch table and
+docs/drift.md's drift table."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def drift_table() -> str:
     return "\n".join(lines)
 
 
-def render_into(text: str, where: str = "README") -> str:
+def render_into(text: str, where: str = "text") -> str:
     """``text`` with each generated table it holds brought up to date."""
     found = False
     for block, make in ((PATCH_TABLE, patch_table), (DRIFT_TABLE, drift_table)):

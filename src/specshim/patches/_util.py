@@ -202,8 +202,8 @@ def require_callable(expected: str) -> Callable[[Any], None]:
 
 
 # The headings every patch file's docstring has, in this order. The text under
-# them is the patch's record: the report, the README table and docs/drift.md
-# are made from it.
+# them is the patch's record: the report, the patch table of
+# docs/how-it-works.md and docs/drift.md are made from it.
 HEADINGS = ("Why", "Upstream change", "Upstream PR", "Remove when")
 # Each folder of patches targets one of speculators' modules, in one process;
 # deps/ patches speculators' dependencies (module given) in every process.
