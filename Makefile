@@ -64,9 +64,9 @@ test-export: setup
 
 # One environment per vLLM release (.venv-vllm<ver>): every release specshim
 # calls tested (specshim._versions.TESTED_VLLM), or VERSIONS=0.11.0,0.16.0 for
-# a subset. Writes matrix/results/ and the README's compatibility table.
+# a subset. Writes matrix/results/ and the table of docs/compatibility.md.
 VERSIONS ?=
-MATRIX_ARGS ?= --write-readme README.md
+MATRIX_ARGS ?= --write-table docs/compatibility.md
 test-matrix: setup
 	$(PY) matrix/run.py $(if $(VERSIONS),--versions $(VERSIONS)) $(MATRIX_ARGS)
 

@@ -17,13 +17,15 @@ release, the PyPI torch and the transformers it pins
   Kimi-K2.5 where vLLM has it).
 
 A version whose stack cannot be installed is reported with the reason and
-fails the run. Results go to ``matrix/results/matrix.json``; ``--write-readme``
-renders the patch x version table into the README, ``--check-readme`` fails if
-the README's table disagrees with what this run observed. ``--states-only``
-installs each release and records only which patches apply (a patch added
-since the last full run), keeping that run's test results, marked older.
+fails the run. Results go to ``matrix/results/matrix.json``; ``--write-table``
+renders the patch x version table into a page (``docs/compatibility.md``),
+``--check-table`` fails if that page's table disagrees with what this run
+observed. ``--states-only`` installs each release and records only which
+patches apply (a patch added since the last full run), keeping that run's test
+results, marked older.
 
-Usage: python matrix/run.py [--versions 0.11.0,0.16.0] [--write-readme README.md]
+Usage: python matrix/run.py [--versions 0.11.0,0.16.0]
+       [--write-table docs/compatibility.md]
 """
 
 from __future__ import annotations
@@ -337,9 +339,9 @@ def compat_table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def _table_states(readme: str) -> dict[str, dict[str, str]]:
-    """Parse the README's table back into {version: {patch: state}}."""
-    body = TABLE.read(readme, "README").strip().splitlines()
+def _table_states(page: str) -> dict[str, dict[str, str]]:
+    """Parse a page's compatibility table back into {version: {patch: state}}."""
+    body = TABLE.read(page, "the compatibility page").strip().splitlines()
     versions = [
         cell.strip().removeprefix("vLLM ") for cell in body[0].strip("|").split("|")[1:]
     ]
@@ -372,8 +374,16 @@ def _with_earlier_tiers(result: dict, earlier: dict | None) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--versions", default=",".join(VERSIONS))
-    parser.add_argument("--write-readme", metavar="README")
-    parser.add_argument("--check-readme", metavar="README")
+    parser.add_argument(
+        "--write-table",
+        metavar="PAGE",
+        help="write the patch x version table into PAGE (docs/compatibility.md)",
+    )
+    parser.add_argument(
+        "--check-table",
+        metavar="PAGE",
+        help="fail if PAGE's table disagrees with what this run observed",
+    )
     parser.add_argument(
         "--e2e",
         metavar="VERSIONS",
@@ -405,25 +415,25 @@ def main() -> int:
     merged.update({r["version"]: r for r in results})
     results = sorted(merged.values(), key=lambda r: _release_key(r["version"]))
     recorded.write_text(json.dumps(results, indent=2) + "\n")
-    if args.write_readme:
+    if args.write_table:
         failed += [
             f"{r['version']} (recorded earlier)"
             for r in results
             if not r["ok"] and r["version"] not in versions
         ]
-    if args.write_readme and tiers and e2e != set(versions):
-        failed.append("--write-readme needs the end-to-end tier on every release")
-    if args.write_readme and not failed:
-        path = Path(args.write_readme)
+    if args.write_table and tiers and e2e != set(versions):
+        failed.append("--write-table needs the end-to-end tier on every release")
+    if args.write_table and not failed:
+        path = Path(args.write_table)
         TABLE.write(path, compat_table(results))
         _log(f"wrote the compatibility table into {path}")
-    if args.check_readme:
-        table = _table_states(Path(args.check_readme).read_text())
+    if args.check_table:
+        table = _table_states(Path(args.check_table).read_text())
         for r in results:
             if r["version"] not in versions:
                 continue
             if "states" in r and table.get(r["version"]) != r["states"]:
-                failed.append(f"{r['version']} (README table differs from this run)")
+                failed.append(f"{r['version']} (the table differs from this run)")
     _log(f"done in {round(time.monotonic() - started)} s; per version:")
     for r in results:
         if r["version"] not in versions:

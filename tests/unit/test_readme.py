@@ -10,6 +10,7 @@ from specshim._table import render_into
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 HOW_IT_WORKS = ROOT / "docs" / "how-it-works.md"
+COMPATIBILITY = ROOT / "docs" / "compatibility.md"
 
 
 def test_patch_table_is_generated_and_current():
@@ -29,12 +30,12 @@ def _matrix_module():
     return module
 
 
-def test_readme_compat_table_covers_every_version_and_patch():
+def test_compat_table_covers_every_version_and_patch():
     """The matrix wrote it; a patch added since then needs a new matrix run."""
     import specshim
 
     matrix = _matrix_module()
-    table = matrix._table_states(README.read_text())
+    table = matrix._table_states(COMPATIBILITY.read_text())
     assert list(table) == list(matrix.VERSIONS)
     ids = [patch.id for patch in specshim.registry()]
     for version, states in table.items():
@@ -63,7 +64,7 @@ def test_compat_table_round_trips():
     assert matrix._table_states(text) == {r["version"]: r["states"] for r in results}
 
 
-def test_readme_column_of_the_installed_release_is_what_doctor_says():
+def test_compat_column_of_the_installed_release_is_what_doctor_says():
     """The release `make test` runs on (CI's matrix step checks the oldest and
     newest): its column is what `specshim doctor` finds here, as the matrix
     records it."""
@@ -76,8 +77,8 @@ def test_readme_column_of_the_installed_release_is_what_doctor_says():
 
     matrix = _matrix_module()
     version = installed_version("vllm").split("+")[0]
-    column = matrix._table_states(README.read_text()).get(version)
-    assert column is not None, f"vLLM {version} is not in the README's table"
+    column = matrix._table_states(COMPATIBILITY.read_text()).get(version)
+    assert column is not None, f"vLLM {version} is not in the compatibility table"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     env.pop("SPECSHIM_DISABLE", None)
     doctor = subprocess.run(
@@ -88,4 +89,4 @@ def test_readme_column_of_the_installed_release_is_what_doctor_says():
         timeout=300,
     )
     states = {p["id"]: p["state"] for p in json.loads(doctor.stdout)["patches"]}
-    assert states == column, "the README's table disagrees with doctor here"
+    assert states == column, "docs/compatibility.md's table disagrees with doctor"
