@@ -1,8 +1,10 @@
-"""The judged results as markdown, charts and the README's block."""
+"""The judged results as markdown, charts and the results block of
+docs/performance.md."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,8 @@ from plan import (
 from specshim._base import SpecShimError
 from specshim._blocks import Block
 
-README_BLOCK = Block("<!-- bench:begin -->", "<!-- bench:end -->")
+RESULTS_BLOCK = Block("<!-- bench:begin -->", "<!-- bench:end -->")
+BENCH_MD = Path(__file__).resolve().parent / "results" / "bench.md"
 
 
 def labels(data: dict[str, Any]) -> dict[str, str]:
@@ -176,21 +179,21 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def readme_block(data: dict[str, Any]) -> str:
-    """The content of the README's bench block."""
+def results_block(data: dict[str, Any], page: Path) -> str:
+    """The content of the bench block in ``page`` (its link is relative to it)."""
     meta = data["meta"]
+    link = Path(os.path.relpath(BENCH_MD, page.resolve().parent)).as_posix()
     return (
         f"Measured by `make bench` on {meta['machine']} ({meta['date']}; "
         f"{meta['tokens']:,} tokens per pass, median of {meta['rounds']} "
         "interleaved rounds). Details, the sweep and the goals: "
-        "[benchmarks/results/bench.md](benchmarks/results/bench.md).\n\n"
-        + comparison_markdown(data)
+        f"[benchmarks/results/bench.md]({link}).\n\n" + comparison_markdown(data)
     )
 
 
-def write_readme(data: dict[str, Any], readme: Path) -> None:
+def write_results_block(data: dict[str, Any], page: Path) -> None:
     try:
-        README_BLOCK.write(readme, readme_block(data))
+        RESULTS_BLOCK.write(page, results_block(data, page))
     except SpecShimError as error:
         raise SystemExit(f"bench: {error}") from None
 
@@ -266,10 +269,10 @@ def _sweep_lines(plt: Any, sweep: dict[str, list[dict[str, Any]]], path: Path) -
     plt.close(fig)
 
 
-def write_all(data: dict[str, Any], out: Path, readme: Path | None) -> None:
-    """bench.json, bench.md, the charts and, given ``readme``, its block."""
+def write_all(data: dict[str, Any], out: Path, page: Path | None) -> None:
+    """bench.json, bench.md, the charts and, given ``page``, its results block."""
     (out / "bench.json").write_text(json.dumps(data, indent=2, default=str))
     (out / "bench.md").write_text(markdown(data))
     write_charts(data, out)
-    if readme:
-        write_readme(data, readme)
+    if page:
+        write_results_block(data, page)

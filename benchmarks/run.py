@@ -11,8 +11,9 @@ One run on one machine, the systems interleaved round by round:
 
 Then a sweep of specshim's step budget (``specshim.configure``) and
 ``generate()`` batch size, the goals checked, and the results written to
-``benchmarks/results/`` (JSON, markdown, PNG) and, with ``--write-readme``, the
-README's table. Every number here is a measurement of this run.
+``benchmarks/results/`` (JSON, markdown, PNG) and, with ``--write-table``, the
+results table of ``docs/performance.md``. Every number here is a measurement of
+this run.
 
 What is measured is in ``plan``, how in ``execute``, the verdicts in ``judge``
 and the outputs in ``render``; this file is the command line.
@@ -47,7 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sweep-points", type=int, default=len(SWEEP), help="first N (smoke runs)"
     )
     parser.add_argument("--out", default=str(HERE / "results"))
-    parser.add_argument("--write-readme", metavar="README")
+    parser.add_argument(
+        "--write-table",
+        metavar="PAGE",
+        help="write the results table into PAGE (docs/performance.md)",
+    )
     parser.add_argument(
         "--render",
         action="store_true",
@@ -92,11 +97,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
-def finish(data: dict[str, Any], out: Path, readme: str | None) -> None:
+def finish(data: dict[str, Any], out: Path, page: str | None) -> None:
     """Summaries, goals, and every output file, from the raw runs in ``data``."""
     data["summary"] = judge.summarize(data)
     data["goals"] = judge.goals(data)
-    render.write_all(data, out, Path(readme) if readme else None)
+    render.write_all(data, out, Path(page) if page else None)
     print(render.summary_text(data))
     execute.log(
         f"wrote {out}/bench.json, bench.md, bench.png"
@@ -109,12 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.render:
-        finish(json.loads((out / "bench-raw.json").read_text()), out, args.write_readme)
+        finish(json.loads((out / "bench-raw.json").read_text()), out, args.write_table)
         return 0
     data = measure(args)
     # The raw runs first: if summarizing fails, --render redoes it from here.
     (out / "bench-raw.json").write_text(json.dumps(data, indent=2, default=str))
-    finish(data, out, args.write_readme)
+    finish(data, out, args.write_table)
     return 0
 
 

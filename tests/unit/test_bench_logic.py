@@ -111,9 +111,11 @@ def test_labels_come_from_the_data_and_leave_the_defaults_alone(render):
     assert "specshim-tuned" not in render.LABELS
 
 
-def test_readme_block_is_the_committed_results_table(render):
+def test_performance_page_block_is_the_committed_results_table(render):
     import json
 
     data = json.loads((BENCHMARKS / "results" / "bench.json").read_text())
-    readme = (BENCHMARKS.parent / "README.md").read_text()
-    assert render.README_BLOCK.read(readme) == render.readme_block(data)
+    page = BENCHMARKS.parent / "docs" / "performance.md"
+    assert render.RESULTS_BLOCK.read(page.read_text()) == render.results_block(
+        data, page
+    )
