@@ -16,7 +16,7 @@ def _write(out: Path, run: _store.Run, index: int, tokens: int) -> None:
     tmp.write_bytes(b"x" * (100 + index))
     stat = tmp.stat()
     entry = _store.Entry(
-        index, "t", "r", stat.st_size, stat.st_ino, stat.st_mtime_ns, tokens
+        index, "aa", "bb", stat.st_size, stat.st_ino, stat.st_mtime_ns, tokens
     )
     run.record(entry)
     os.replace(tmp, _store.final_path(out, index))

@@ -67,7 +67,7 @@ def test_a_file_is_proven_only_as_it_was_recorded(tmp_path):
         stat = tmp.stat()
         run.record(
             _store.Entry(
-                index, "t", "r", stat.st_size, stat.st_ino, stat.st_mtime_ns, 3
+                index, "aa", "bb", stat.st_size, stat.st_ino, stat.st_mtime_ns, 3
             )
         )
         os.replace(tmp, _store.final_path(tmp_path, index))
@@ -79,7 +79,7 @@ def test_a_file_is_proven_only_as_it_was_recorded(tmp_path):
     assert sorted(_proven(tmp_path, files)) == [0]
     # A torn last line (a run killed mid-write) is skipped, not fatal.
     with run.manifest.open("a") as handle:
-        handle.write('[3, "t", "r"')
+        handle.write('[3, "aa", "bb"')
     assert sorted(_proven(tmp_path, files)) == [0]
 
 

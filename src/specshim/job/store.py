@@ -29,14 +29,15 @@ import os
 import re
 import secrets
 import socket
+import stat as _stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from specshim._base import SpecShimError, UsageError, pid_alive
+from specshim.job.manifest import Entry, decode_json, read_manifest
 
 T = TypeVar("T")
 
@@ -71,31 +72,6 @@ def record_digest(record: dict[str, Any]) -> str:
     """
     text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-
-
-@dataclass(frozen=True)
-class Entry:
-    """What a run recorded about one file it wrote."""
-
-    index: int
-    tokens: str  # token_digest of the sample
-    record: str  # record_digest of the dataset record it came from
-    size: int
-    inode: int
-    mtime_ns: int
-    num_tokens: int
-    # Cut to max_model_len - 1 tokens; None in manifests written before this
-    # was recorded (7 fields), where ``was_truncated`` infers it.
-    truncated: bool | None = None
-
-    def was_truncated(self, max_len: int) -> bool:
-        """Whether the sample was cut (older entries: it holds max_len tokens)."""
-        if self.truncated is None:
-            return self.num_tokens >= max_len
-        return self.truncated
-
-    def file_identity(self) -> tuple[int, int, int]:
-        return (self.size, self.inode, self.mtime_ns)
 
 
 def file_identity(stat: os.stat_result) -> tuple[int, int, int]:
@@ -147,15 +123,25 @@ def read_config(out: Path) -> dict[str, Any] | None:
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecShimError(f"{path}: cannot read it ({exc})") from None
     try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
+        config = decode_json(text)
+    except ValueError as exc:
         raise SpecShimError(
-            f"{path} is corrupt ({exc.msg} at line {exc.lineno}); it is not "
-            "specshim's. Restore it, or use a new --out."
+            f"{path} is corrupt ({exc}); it is not specshim's. Restore it, or use "
+            "a new --out."
         ) from None
     if not isinstance(config, dict):
         raise SpecShimError(f"{path} is corrupt: not a JSON object")
     return config
+
+
+def _regular_file(path: Path) -> bool:
+    """Whether ``path`` itself is a regular file: the only kind specshim writes,
+    so the only kind it removes (a folder or link under such a name is not
+    its own)."""
+    try:
+        return _stat.S_ISREG(path.lstat().st_mode)
+    except FileNotFoundError:
+        return False
 
 
 class Run:
@@ -234,12 +220,12 @@ class Run:
         removed = 0
         for path in self.out.iterdir():
             match = _PARTIAL.match(path.name)
-            if match and not self.is_live(match["run"]):
+            if match and not self.is_live(match["run"]) and _regular_file(path):
                 path.unlink(missing_ok=True)
                 removed += 1
         runs = self.out / META / "runs"
         for beat in runs.iterdir():
-            if not self.is_live(beat.name):
+            if not self.is_live(beat.name) and _regular_file(beat):
                 beat.unlink(missing_ok=True)
         return removed
 
@@ -342,26 +328,14 @@ def move_orphans(out: Path, indices: list[int], run: str) -> Path:
 
 
 def manifests(out: Path) -> Iterator[tuple[dict[str, Any], list[Entry]]]:
-    """Each run's manifest: its header and its entries (a torn line is skipped)."""
+    """Each run's manifest: its header and its entries (``read_manifest``:
+    torn and damaged lines are skipped, damaged ones with a warning)."""
     folder = out / META / "manifest"
     if not folder.is_dir():
         return
     for path in sorted(folder.glob("*.jsonl")):
-        if not path.is_file():  # not specshim's, and a FIFO would block
-            continue
-        header: dict[str, Any] = {"run": path.stem}
-        entries = []
-        with path.open(encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                try:
-                    fields = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a run killed mid-line
-                if isinstance(fields, dict):
-                    header.update(fields)
-                elif isinstance(fields, list) and len(fields) in (7, 8):
-                    entries.append(Entry(*fields))
-        yield header, entries
+        if path.is_file():  # else not specshim's, and a FIFO would block
+            yield read_manifest(path)
 
 
 def manifest_lines(out: Path) -> Iterator[Entry]:
