@@ -431,7 +431,7 @@ def test_verify_and_status_report_damaged_files_and_never_hang(
     assert "not a speculators sample" in bad["BAD data_2.pt"]
     assert "not 1-D tensors" in bad["BAD data_3.pt"]
     assert "not a regular file" in bad["BAD data_4.pt"]
-    assert "cannot be loaded safely" in bad["BAD data_1.pt"]
+    assert "is not a torch file" in bad["BAD data_1.pt"]
     assert len(bad) == 6  # the stand-in's 1-wide states fail the rest: reported
     run = _cli("verify", "--model", str(model), "--out", str(out), "--samples", "6")
     assert "Traceback" not in run.stderr and run.returncode in (1, 2), run.stderr
@@ -489,27 +489,43 @@ def test_the_cpu_kv_cache_variable_is_set_for_the_generator_only(
 
 
 @pytest.mark.parametrize(
-    "content",
+    ("content", "why"),
     [
-        b"plain text, not a torch file\n",
-        b"h\xe1\xa3\x19",
-        b"\x8a",
-        b"X",
-        b"U\xc8C\xd0a",
+        (b"plain text, not a torch file\n", "is not a torch file"),
+        (b"h\xe1\xa3\x19", "is not a torch file"),
+        (b"", "is empty"),
+        # What passes for a pickle's start reaches the unpickler, which reads
+        # the rest as opcodes and fails in its own ways.
+        (
+            b"\x80\x02h\xe1\xa3\x19",
+            "cannot be loaded safely (a damaged pickle: KeyError",
+        ),
+        (b"\x80\x02\x8a", "cannot be loaded safely (a damaged pickle: IndexError"),
+        (b"\x80\x02X", "cannot be loaded safely (a damaged pickle: struct.error"),
+        (b"\x80\x02U\xc8C\xd0a", "cannot be loaded safely ('utf-8' codec"),
+        (b"PK\x03\x04", "cannot be loaded safely (PytorchStreamReader"),
     ],
-    ids=["text", "KeyError", "IndexError", "struct.error", "UnicodeDecodeError"],
+    ids=[
+        "text",
+        "stray bytes",
+        "empty",
+        "KeyError",
+        "IndexError",
+        "struct.error",
+        "UnicodeDecodeError",
+        "zip header only",
+    ],
 )
 def test_bytes_that_are_no_torch_file_are_a_bad_sample_not_a_traceback(
-    tmp_path, content
+    tmp_path, content, why
 ):
-    """Not a zip and not a pickle: the unpickler reads the bytes as opcodes and
-    fails in its own ways; verify reports one BAD line for each."""
+    """verify reports one BAD line for each, saying why."""
     from specshim.job.verify import load_sample
 
     path = tmp_path / "data_0.pt"
     path.write_bytes(content)
-    data, why = load_sample(path)
-    assert data is None and why.startswith("cannot be loaded safely"), why
+    data, found = load_sample(path)
+    assert data is None and found.startswith(why), found
 
 
 def test_a_stalled_start_up_says_every_interval_what_it_waits_for(

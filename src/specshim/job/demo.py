@@ -117,6 +117,6 @@ def _print_summary(
         verdict = "ok" if good else "MISMATCH"
         row = f"  {layer:>5}   {mean:>17.4f}   {share:>14.1%}   {ratio:>10.3f}"
         lines.append(f"{row}   {verdict}")
-    lines += [f"  MISMATCH {failure}" for failure in failures]
+    lines += [f"  {failure}" for failure in failures]  # BAD or MISMATCH
     lines.append("  every sample agrees with HF" if not failures else "  demo FAILED")
     print("\n".join(lines), file=sys.stdout, flush=True)

@@ -17,12 +17,27 @@ from specshim.job.run_config import run_config
 from specshim.job.store import existing_files, final_path
 
 
+def _model_input(path: Path, vocab_size: int) -> tuple[dict[str, Any] | None, str]:
+    """``load_sample``, and ids the model can take: within its vocabulary (an
+    embedding fails on others with an IndexError)."""
+    data, why = load_sample(path)
+    if data is not None:
+        ids = data["input_ids"]
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            return (
+                None,
+                f"holds token ids outside the model's vocabulary [0, {vocab_size})",
+            )
+    return data, why
+
+
 def agreement(
-    reference: Any, files: list[tuple[int, Path]], layers: list[int]
+    reference: Any, files: list[tuple[int, Path]], layers: list[int], vocab_size: int
 ) -> tuple[dict[int, tuple[float, float, float]], list[str]]:
     """Per-layer (mean cosine, share of tokens >= 0.95, mean norm ratio) over
-    ``files`` against ``reference.states(ids, layers)``, and the files that fail
-    the per-sample bar (``mismatch``: direction and length)."""
+    ``files`` against ``reference.states(ids, layers)``, and a line for each
+    file that fails: ``BAD`` if it holds no sample the model can take,
+    ``MISMATCH`` if it fails the per-sample bar (direction and length)."""
     import torch
 
     from specshim.job.agreement import mismatch, norm_ratio, per_token_cosine
@@ -31,15 +46,15 @@ def agreement(
     ratios: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     failures = []
     for index, path in files:
-        data, why = load_sample(path)
+        data, why = _model_input(path, vocab_size)
         if data is None:
-            failures.append(f"data_{index}.pt: {why}")
+            failures.append(f"BAD data_{index}.pt: {why}")
             continue
         ids = data["input_ids"].tolist()
         expected = reference.states(ids, layers)
         why = mismatch(data["hidden_states"], expected)
         if why:
-            failures.append(f"data_{index}.pt: {why}")
+            failures.append(f"MISMATCH data_{index}.pt: {why}")
         for layer, got, want in zip(
             layers, data["hidden_states"], expected, strict=False
         ):
@@ -65,9 +80,11 @@ def hf_agreement(
     model: Path, files: list[tuple[int, Path]], layers: list[int]
 ) -> tuple[dict[int, tuple[float, float, float]], list[str]]:
     """``agreement`` against the bounded HF reference (what ``demo`` uses)."""
+    from specshim.job.checkpoint import model_facts
     from specshim.job.references import HFBounded
 
-    return agreement(HFBounded(model, layers), files, layers)
+    vocab_size = model_facts(model)[1]
+    return agreement(HFBounded(model, layers), files, layers, vocab_size)
 
 
 def written_files(out: Path) -> list[tuple[int, Path]]:
@@ -94,12 +111,32 @@ def _load(path: Path) -> Any:
             return torch.load(path, weights_only=True)
     except unreadable as exc:
         text = str(exc).strip()
-        first = text.splitlines()[0].split(". ")[0] if text else repr(exc)
+        first = text.splitlines()[0].split(". ")[0] if text else ""
+        if isinstance(exc, (KeyError, IndexError, struct.error)) or not first:
+            kind = "struct.error" if isinstance(exc, struct.error) else ""
+            kind = kind or type(exc).__name__
+            first = f"a damaged pickle: {kind} {first}".strip()
         raise UnreadableError(first) from None
 
 
 class UnreadableError(Exception):
     pass
+
+
+# How every file torch.save writes begins: a zip archive, or (the legacy
+# format) a pickle of protocol 2 or later.
+TORCH_HEADS = (b"PK\x03\x04", b"\x80")
+
+
+def _not_torch(path: Path) -> str | None:
+    """Why ``path`` cannot be a torch file from its first bytes, or None."""
+    with path.open("rb") as handle:
+        head = handle.read(16)
+    if not head:
+        return "is empty"
+    if not head.startswith(TORCH_HEADS):
+        return f"is not a torch file (it begins {head[:8]!r}, not a zip or pickle)"
+    return None
 
 
 def load_sample(path: Path) -> tuple[dict[str, Any] | None, str]:
@@ -108,6 +145,9 @@ def load_sample(path: Path) -> tuple[dict[str, Any] | None, str]:
 
     if not path.is_file():  # a FIFO would block the load, a folder fails it
         return None, "is not a regular file"
+    why = _not_torch(path)
+    if why:
+        return None, why
     try:
         data = _load(path)
     except UnreadableError as exc:
@@ -119,8 +159,11 @@ def load_sample(path: Path) -> tuple[dict[str, Any] | None, str]:
     states = data["hidden_states"]
     if not all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in tensors):
         return None, "holds input_ids or loss_mask that are not 1-D tensors"
-    if data["input_ids"].is_floating_point() or data["input_ids"].is_complex():
+    ids = data["input_ids"]
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         return None, "holds input_ids that are not token ids (integers)"
+    if not len(ids):
+        return None, "holds no tokens"
     if not isinstance(states, list) or not all(
         isinstance(t, torch.Tensor) for t in states
     ):
@@ -137,15 +180,27 @@ def check_file(
     data, why = load_sample(path)
     if data is None:
         return why
-    ids, mask, states = data["input_ids"], data["loss_mask"], data["hidden_states"]
-    if not torch.equal(ids, torch.as_tensor(sample.input_ids, dtype=ids.dtype)):
+    # Compared as values: cast to the file's dtype (uint8, say), the
+    # dataset's ids would overflow or wrap.
+    ids, mask = data["input_ids"], data["loss_mask"]
+    if not torch.equal(ids.long(), torch.tensor(sample.input_ids, dtype=torch.long)):
         return "holds other input_ids than the dataset's sample"
-    if not torch.equal(mask, torch.as_tensor(sample.loss_mask, dtype=mask.dtype)):
+    want = torch.tensor(sample.loss_mask, dtype=torch.float64)
+    if not torch.equal(mask.to(torch.float64), want):
         return "holds another loss_mask than the dataset's sample"
-    if not isinstance(states, list) or len(states) != len(layers):
-        count = len(states) if isinstance(states, list) else "no list of"
-        return f"has {count} hidden-state tensors for {len(layers)} layers"
-    want = (len(sample.input_ids), hidden_size)
+    return states_problem(data["hidden_states"], layers, len(ids), hidden_size)
+
+
+def states_problem(
+    states: list[Any], layers: list[int], length: int, hidden_size: int
+) -> str | None:
+    """None if ``states`` are one finite [length, hidden_size] tensor per
+    layer, else what is wrong."""
+    import torch
+
+    if len(states) != len(layers):
+        return f"has {len(states)} hidden-state tensors for {len(layers)} layers"
+    want = (length, hidden_size)
     for layer, tensor in zip(layers, states, strict=True):
         if tuple(tensor.shape) != want:
             return f"layer {layer}: shape {tuple(tensor.shape)}, expected {want}"
@@ -195,9 +250,7 @@ def verify_all(
     head += f", {bad} bad or missing" if bad else ""
     head += f", {len(files)} file(s) of no sample" if files else ""
     lines.insert(0, head)
-    failed = bad or files
-    lines.append("verify: " + ("FAILED" if failed else "ok"))
-    return (1 if failed else 0), lines
+    return _close(lines, bool(bad or files))
 
 
 def verify(
@@ -210,6 +263,7 @@ def verify(
 ) -> tuple[int, list[str]]:
     """Per-layer agreement for ``samples`` files, as lines; 1 if any disagrees."""
     from specshim.job import references as _references
+    from specshim.job.checkpoint import model_facts
 
     config = run_config(out)
     layers = config["layers"]
@@ -227,7 +281,7 @@ def verify(
         recompute = _references.Solo(model, layers, config["max_model_len"], tp)
         what = f"the generator alone, one sample a call (TP={tp})"
     try:
-        stats, failures = agreement(recompute, chosen, layers)
+        stats, failures = agreement(recompute, chosen, layers, model_facts(model)[1])
     finally:
         recompute.close()
     lines.append(
@@ -236,6 +290,17 @@ def verify(
     lines.append("  layer   mean cosine   tokens >= 0.95   norm ratio")
     for layer, (mean, share, ratio) in stats.items():
         lines.append(f"  {layer:>5}   {mean:>11.4f}   {share:>14.1%}   {ratio:>10.3f}")
-    lines += [f"  MISMATCH {failure}" for failure in failures]
-    lines.append("verify: " + ("FAILED" if failures else "ok"))
-    return (1 if failures else 0), lines
+    lines += [f"  {failure}" for failure in failures]
+    return _close(lines, bool(failures))
+
+
+def _close(lines: list[str], failed: bool) -> tuple[int, list[str]]:
+    """The report's last lines (what to do about BAD files, the verdict) and
+    the exit status."""
+    if any(line.startswith("  BAD ") for line in lines):
+        lines.append(
+            "  to repair: delete the BAD files and rerun the extract that wrote "
+            "them; it writes them again"
+        )
+    lines.append("verify: " + ("FAILED" if failed else "ok"))
+    return (1 if failed else 0), lines
