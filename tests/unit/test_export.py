@@ -15,6 +15,7 @@ import torch
 
 from specshim._base import UsageError
 from specshim.job import extract as _extract
+from specshim.job.checkpoint import hidden_size
 from specshim.job.export import ExportOptions, export
 from specshim.job.options import ExtractOptions
 
@@ -22,18 +23,21 @@ LAYERS = [1, 3, 5]  # the tiny Llama has 6 decoder layers: 5 is the final one
 
 
 class LayeredGenerator:
-    """Layer k's state of token t is [t, k, 0, 0] (exact in bfloat16)."""
+    """Layer k's state of token t is [t, k, 0, ...] (exact in bfloat16), as
+    wide as the model's hidden size, which export checks."""
 
-    def __init__(self, layers: list[int]) -> None:
+    def __init__(self, layers: list[int], width: int) -> None:
         self.layers = layers
+        self.width = width
         self.executor = self
 
     def generate(self, batch: list[list[int]]) -> list[dict[str, Any]]:
+        pad = [0] * (self.width - 2)
         return [
             {
                 "input_ids": torch.tensor(ids),
                 "hidden_states": [
-                    torch.tensor([[t, k, 0, 0] for t in ids], dtype=torch.bfloat16)
+                    torch.tensor([[t, k, *pad] for t in ids], dtype=torch.bfloat16)
                     for k in self.layers
                 ],
             }
@@ -47,10 +51,11 @@ class LayeredGenerator:
 @pytest.fixture
 def source(tmp_path, tiny_model_dir, monkeypatch):
     def make(layers=LAYERS, samples=5, name="hs"):
+        model = tiny_model_dir("llama")
         monkeypatch.setattr(
             _extract,
             "_make_generator",
-            lambda options, chosen: LayeredGenerator(chosen),
+            lambda options, chosen: LayeredGenerator(chosen, hidden_size(model)),
         )
         monkeypatch.setattr(_extract, "on_cpu", lambda: False)
         data = tmp_path / f"{name}.jsonl"
@@ -61,7 +66,6 @@ def source(tmp_path, tiny_model_dir, monkeypatch):
             )
         )
         out = tmp_path / name
-        model = tiny_model_dir("llama")
         _extract.extract(
             ExtractOptions(model=model, data=data, out=out, layers=layers, batch_size=2)
         )
@@ -97,7 +101,7 @@ def test_the_export_is_the_layout_and_mapping_the_newer_trainer_reads(source, tm
         assert states.dtype == torch.bfloat16 and tuple(states.shape) == (
             len(ids),
             3,
-            4,
+            hidden_size(model),
         )
         for slot, k in enumerate(LAYERS):  # slots in layer order, final one last
             assert states[:, slot, 0].tolist() == ids

@@ -13,11 +13,13 @@ the final decoder layer among the captured ones, and training needs
 ``--target-layer-ids`` = the mapped ids of the others, which
 ``specshim_export.json`` records.
 
-Every sample is checked after it is written: the file read back holds the
-source's token ids and, bit for bit, its states in the chosen dtype. A rerun
-resumes: a file the export's own manifest describes (source and destination
-unchanged) is kept. ``specshim_export.json`` is written last: without it the
-export is not whole.
+Every sample is checked before it is written (the source file holds the
+tokens its manifest entry records, and one state of the model's width per
+captured layer) and after: the file read back holds the source's token ids
+and, bit for bit, its states in the chosen dtype. A rerun resumes: a file
+the export's own manifest describes (source and destination unchanged) is
+kept. ``specshim_export.json`` is written last: without it the export is not
+whole.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from specshim._base import SpecShimError, UsageError
+from specshim.job.export_dest import ExportManifest, read_marker
 from specshim.job.run_config import run_config
-from specshim.job.store import file_identity, final_path
+from specshim.job.store import Entry, file_identity, final_path
 
 logger = logging.getLogger(__name__)
 
@@ -145,18 +148,20 @@ def export(options: ExportOptions) -> dict[str, Any]:
         raise UsageError(f"--dtype {options.dtype!r}: choose one of {DTYPES}")
     config = run_config(options.out)
     model = _model(options, config)
-    from specshim.job.checkpoint import model_facts
+    from specshim.job.checkpoint import hidden_size, model_facts
 
     mapping = layer_mapping(list(config["layers"]), model_facts(model)[0])
-    total = _complete_source(options.out)
+    total, proven = _complete_source(options.out)
+    source = _Source(proven, list(config["layers"]), hidden_size(model))
     marker = _prepare_dest(options, mapping, total)
     written = kept = 0
-    manifest = _Manifest(options.dest / _META / "manifest.jsonl")
+    path = options.dest / _META / "manifest.jsonl"
+    manifest = ExportManifest(path, len(mapping["layer_ids"]))
     for index in range(total):
         if manifest.holds(index, options.out, options.dest):
             kept += 1
             continue
-        manifest.add(index, options.dest, _write_one(options, index))
+        manifest.add(index, options.dest, _write_one(options, index, source))
         written += 1
     manifest.close()
     _remove_stale(options.dest, total)
@@ -194,8 +199,9 @@ def _model(options: ExportOptions, config: dict[str, Any]) -> Path:
     return model
 
 
-def _complete_source(out: Path) -> int:
-    """The dataset's size, where every sample of it is proven in ``out``."""
+def _complete_source(out: Path) -> tuple[int, dict[int, Entry]]:
+    """The dataset's size, where every sample of it is proven in ``out``, and
+    the manifest entry that proves each."""
     from specshim.job.status import collect
 
     status = collect(out)
@@ -211,16 +217,52 @@ def _complete_source(out: Path) -> int:
             "as sample i, so every sample is needed. Rerun the extract to finish "
             "it (`specshim status --out` shows what is left)"
         )
-    return status.total
+    return status.total, status.proven
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What each file of the extract must hold: the tokens its manifest entry
+    records, and one [tokens, hidden] state per captured layer. The manifest
+    proves a file by its size, inode and times; only reading it finds damage
+    that kept those (bit rot, an edit that restored the times)."""
+
+    proven: dict[int, Entry]
+    layers: list[int]
+    width: int
+
+    def load(self, path: Path, index: int) -> dict[str, Any]:
+        """Sample ``index`` from ``path``, checked; SpecShimError if it is not."""
+        from specshim.job.store import token_digest
+        from specshim.job.verify import load_sample, states_problem
+
+        data, why = load_sample(path)
+        if data is not None:
+            ids, mask = data["input_ids"].long(), data["loss_mask"].long()
+            states = data["hidden_states"]
+            if token_digest(ids.tolist(), mask.tolist()) != self.proven[index].tokens:
+                why = "holds other tokens than its manifest entry records"
+            else:
+                why = states_problem(states, self.layers, len(ids), self.width) or ""
+        if why:
+            raise SpecShimError(
+                f"{path} {why}. Its manifest entry still vouches for it, so a "
+                "rerun of extract would keep it: delete it, rerun the extract to "
+                "write it again, then export (`specshim verify --all` finds any "
+                "others)"
+            )
+        return data
 
 
 def _prepare_dest(options: ExportOptions, mapping: dict[str, Any], total: int) -> Path:
     dest = options.dest
     if dest.resolve() == options.out.resolve():
         raise UsageError("--to DEST must be another directory than --out")
+    if dest.exists() and not dest.is_dir():
+        raise UsageError(f"{dest} is a file; export to a directory")
     marker = dest / MARKER
     if marker.exists():
-        before = json.loads(marker.read_text(encoding="utf-8"))
+        before = read_marker(marker)
         if before.get("layer_mapping") != mapping or before.get("dtype") != (
             options.dtype
         ):
@@ -236,20 +278,18 @@ def _prepare_dest(options: ExportOptions, mapping: dict[str, Any], total: int) -
     return marker
 
 
-def _write_one(options: ExportOptions, index: int) -> tuple[list[int], Any]:
+def _write_one(
+    options: ExportOptions, index: int, expected: _Source
+) -> tuple[list[int], Any]:
     """Write ``hs_{index}.safetensors``, read it back, compare; returns the
     source's file identity as the manifest records it, and for fp8 what a
     reader gets back against the source, per layer."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    from specshim.job.verify import load_sample
-
     source = final_path(options.out, index)
     identity = list(file_identity(source.stat()))
-    data, why = load_sample(source)
-    if data is None:
-        raise SpecShimError(f"{source} {why}; run `specshim verify --all`")
+    data = expected.load(source, index)
     ids = data["input_ids"].to(torch.int64).contiguous()
     stack = stacked(data["hidden_states"], options.dtype)
     payload = {"token_ids": ids, **encoded(stack, options.dtype)}
@@ -276,62 +316,6 @@ def _remove_stale(dest: Path, total: int) -> None:
             index = name[len("hs_") : -len(".safetensors")]
             if index.isdigit() and int(index) >= total:
                 path.unlink()
-
-
-class _Manifest:
-    """Per sample, as written: the source's and the file's identities, and
-    (fp8) what a reader gets back against the source, per layer."""
-
-    def __init__(self, path: Path) -> None:
-        self.entries: dict[int, dict[str, Any]] = {}
-        if path.is_file():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    entry = json.loads(line)
-                    self.entries[int(entry["index"])] = entry
-                except (json.JSONDecodeError, ValueError, TypeError, KeyError):
-                    continue  # a line torn by a killed run
-        self.handle = path.open("a", encoding="utf-8")
-
-    def holds(self, index: int, out: Path, dest: Path) -> bool:
-        recorded = self.entries.get(index)
-        target = dest / "hidden_states" / f"hs_{index}.safetensors"
-        if recorded is None or not target.is_file():
-            return False
-        return recorded.get("source") == [
-            *file_identity(final_path(out, index).stat())
-        ] and recorded.get("file") == [*file_identity(target.stat())]
-
-    def add(self, index: int, dest: Path, written: tuple[list[int], Any]) -> None:
-        target = dest / "hidden_states" / f"hs_{index}.safetensors"
-        source, agreement = written
-        entry = {
-            "index": index,
-            "source": source,
-            "file": [*file_identity(target.stat())],
-            "agreement": agreement,
-        }
-        self.entries[index] = entry
-        self.handle.write(json.dumps(entry) + "\n")
-        self.handle.flush()
-
-    def agreement(self, total: int) -> list[dict[str, float]] | None:
-        """Over every sample: per layer, the mean and lowest cosine and the
-        mean norm ratio (samples weigh alike); None where nothing was lossy."""
-        rows = [self.entries[i].get("agreement") for i in range(total)]
-        if not rows or any(r is None for r in rows):
-            return None
-        return [
-            {
-                "mean_cosine": round(sum(r[k][0] for r in rows) / len(rows), 5),
-                "lowest_cosine": round(min(r[k][1] for r in rows), 5),
-                "mean_norm_ratio": round(sum(r[k][2] for r in rows) / len(rows), 5),
-            }
-            for k in range(len(rows[0]))
-        ]
-
-    def close(self) -> None:
-        self.handle.close()
 
 
 def _write_arrow(options: ExportOptions, total: int) -> None:

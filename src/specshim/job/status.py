@@ -41,6 +41,8 @@ class Status:
     unproven: list[int] = field(default_factory=list)  # files no line describes
     missing: list[int] = field(default_factory=list)  # samples without a file
     orphans: list[int] = field(default_factory=list)  # files of no sample
+    # The manifest entry that proves each file done.
+    proven: dict[int, _store.Entry] = field(default_factory=dict)
     bytes: int = 0
     runs: list[RunSummary] = field(default_factory=list)
     per_shard: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -115,7 +117,7 @@ def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
     if total is not None and settled:  # a file no sample owns is no sample done
         status.orphans = _store.orphans(files, total)
         proven = {i: e for i, e in proven.items() if i < total}
-    status.done = len(proven)
+    status.done, status.proven = len(proven), proven
     status.tokens = sum(e.num_tokens for e in proven.values())
     status.bytes = sum(stat.st_size for stat in files.values())
     status.unproven = sorted(set(files) - set(proven) - set(status.orphans))
