@@ -135,7 +135,10 @@ def _not_torch(path: Path) -> str | None:
     if not head:
         return "is empty"
     if not head.startswith(TORCH_HEADS):
-        return f"is not a torch file (it begins {head[:8]!r}, not a zip or pickle)"
+        return (
+            f"is not a torch file (it begins {head[:8]!r}; torch writes a zip "
+            "archive or a binary pickle)"
+        )
     return None
 
 
