@@ -693,3 +693,40 @@ def test_transformers_torch_annotation_only_where_torch_is_type_checking_only(
         patch.PATCH.probe(torch)
     assert patch.PATCH.process == "main, worker"
     assert patch.PATCH.module == TRANSFORMERS_CONFIG
+
+
+def test_closing_at_exit_drops_log_lines_whose_stream_is_closed(capsys):
+    """vLLM 0.25+ logs its shutdown while specshim closes a generator at exit;
+    a handler whose stream pytest already closed printed "--- Logging error
+    ---" tracebacks after a test run's summary (seen on vLLM 0.26.0)."""
+    import io
+
+    from specshim.patches.main import close_at_exit
+
+    closed = io.StringIO()
+    closed.close()
+    handler = logging.StreamHandler(closed)
+    shutdown_logger = logging.getLogger("specshim.test.shutdown")
+    shutdown_logger.addHandler(handler)
+    shutdown_logger.setLevel(logging.INFO)
+    stopped = []
+
+    class Executor:
+        def shutdown(self):
+            shutdown_logger.info("[shutdown] waiting for worker exit")
+            stopped.append(True)
+
+    class Generator:
+        pass
+
+    generator = Generator()
+    generator.executor = Executor()
+    close_at_exit._OPEN.add(generator)
+    raising = logging.raiseExceptions
+    try:
+        close_at_exit._close_open()
+    finally:
+        shutdown_logger.removeHandler(handler)
+    assert stopped == [True] and "executor" not in vars(generator)
+    assert "Logging error" not in capsys.readouterr().err
+    assert logging.raiseExceptions is raising

@@ -90,11 +90,19 @@ def _no_linger(executor: Any) -> None:
 
 
 def _close_open() -> None:
-    for generator in list(_OPEN):
-        try:
-            close(generator)
-        except Exception as exc:  # noqa: BLE001 - exiting: say it, go on
-            logger.debug("specshim: closing a generator at exit: %r", exc)
+    # At exit a log handler may hold a stream already closed (pytest's capture
+    # once its run is over): vLLM's shutdown lines ("[shutdown] Executor:
+    # waiting for worker exit", 0.25+) then went out as "--- Logging error
+    # ---" tracebacks after the summary. Such a line has nowhere to go; drop it.
+    raising, logging.raiseExceptions = logging.raiseExceptions, False
+    try:
+        for generator in list(_OPEN):
+            try:
+                close(generator)
+            except Exception as exc:  # noqa: BLE001 - exiting: say it, go on
+                logger.debug("specshim: closing a generator at exit: %r", exc)
+    finally:
+        logging.raiseExceptions = raising
 
 
 def _build(original: Any) -> Any:
