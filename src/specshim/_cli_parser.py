@@ -172,7 +172,7 @@ def _extract_engine_flags(
 
 
 def _extract_run_flags(extract: argparse.ArgumentParser) -> None:
-    """--move-orphans, --cpu-kv-space-gib and --shard."""
+    """--move-orphans, --cpu-kv-space-gib, --shard and --data-parallel."""
     extract.add_argument(
         "--move-orphans",
         action="store_true",
@@ -191,6 +191,16 @@ def _extract_run_flags(extract: argparse.ArgumentParser) -> None:
         "--shard",
         help="I/N: take samples i with i %% N == I; auto: the index and count of "
         "a SLURM job array or a Kubernetes indexed Job (SPECSHIM_SHARD_COUNT)",
+    )
+    extract.add_argument(
+        "--data-parallel",
+        "--dp",
+        type=int,
+        metavar="N",
+        help="run N shards of this command on this host at once, shard I on "
+        "GPUs I*TP to I*TP+TP-1 of those visible; one progress line, one exit "
+        "status, each shard's log in OUT/.specshim/ (with --shard auto: N "
+        "shards of this host's)",
     )
 
 

@@ -120,6 +120,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _extract(args: argparse.Namespace) -> int:
+    if args.data_parallel is not None:
+        return _extract_parallel(args)
     from specshim.job.dataset import parse_shard
     from specshim.job.extract import extract
     from specshim.job.options import ExtractOptions, parse_layers
@@ -144,6 +146,48 @@ def _extract(args: argparse.Namespace) -> int:
         counts = extract(options)
     print(summary(counts, options.out))
     return 0
+
+
+def _extract_parallel(args: argparse.Namespace) -> int:
+    """``extract --data-parallel N``: N shard runs of this command at once."""
+    from specshim.job.dataset import cluster_shard
+    from specshim.job.parallel import plan_slots, run_parallel, visible_gpus
+
+    if args.shard is not None and args.shard != "auto":
+        raise UsageError(
+            f"--data-parallel gives each of its runs a shard itself; drop --shard "
+            f"{args.shard} (--shard auto splits this host's cluster shard among "
+            "them)"
+        )
+    host = cluster_shard(os.environ) if args.shard == "auto" else None
+    slots = plan_slots(args.data_parallel, args.tp, host, visible_gpus())
+    _checkpoint(args)  # refused here once, not in each child
+    out = Path(args.out)
+    dataset = {"split": args.split, "column": args.column}
+    counts = run_parallel(slots, _extract_argv(args), out, Path(args.data), dataset)
+    print(summary(counts, out))
+    return 0
+
+
+def _extract_argv(args: argparse.Namespace) -> list[str]:
+    """This ``extract`` command's arguments, less --data-parallel and --shard,
+    rebuilt from the parser's own list (each child adds its --shard)."""
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if a.dest == "name"]
+    argv = ["-v", "extract"] if args.verbose else ["extract"]
+    for action in commands.choices["extract"]._actions:
+        if not action.option_strings or action.dest in _NOT_PASSED:
+            continue
+        value = getattr(args, action.dest, None)
+        if value is None or value is False:
+            continue
+        argv.append(action.option_strings[0])
+        if action.nargs != 0:
+            argv.append(str(value))
+    return argv
+
+
+_NOT_PASSED = {"help", "data_parallel", "shard"}
 
 
 def _plural(count: int, word: str) -> str:

@@ -1,0 +1,133 @@
+"""``extract --data-parallel N``: its refusals, one line each before anything
+starts, and how it splits the GPUs and the shards among its children."""
+
+from __future__ import annotations
+
+import pytest
+
+from specshim.cli import _extract_argv, build_parser, main
+from specshim.job import parallel
+from specshim.job.parallel import Slot, plan_slots, visible_gpus
+
+BASE = ["extract", "--model", "/nowhere/model", "--data", "d.jsonl", "--out", "o"]
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """A host whose driver lists ``count`` GPUs."""
+
+    def host(count: int | None) -> None:
+        monkeypatch.setattr(parallel, "_nvidia_gpus", lambda: count)
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return host
+
+
+def _refused(capsys, *extra: str) -> str:
+    code = main([*BASE, *extra])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("count", ["0", "-1"])
+def test_fewer_than_one_run_is_refused(capsys, gpus, count):
+    gpus(None)
+    err = _refused(capsys, "--data-parallel", count)
+    assert err == (f"specshim extract: error: --data-parallel {count}: give at least 1")
+
+
+@pytest.mark.parametrize("flag", ["--data-parallel", "--dp"])
+def test_more_gpus_than_visible_are_refused(capsys, gpus, flag):
+    gpus(4)
+    err = _refused(capsys, flag, "3", "--tp", "2")
+    assert "--data-parallel 3 x --tp 2 needs 6 GPUs; 4 visible" in err
+
+
+def test_cuda_visible_devices_bounds_what_is_visible(capsys, gpus, monkeypatch):
+    gpus(8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    err = _refused(capsys, "--dp", "2", "--tp", "2")
+    assert "needs 4 GPUs; 3 visible (CUDA_VISIBLE_DEVICES=4,5,6)" in err
+
+
+def test_a_hand_made_shard_is_refused(capsys, gpus):
+    gpus(None)
+    err = _refused(capsys, "--dp", "2", "--shard", "1/4")
+    assert "--data-parallel gives each of its runs a shard itself" in err
+    assert "drop --shard 1/4" in err
+
+
+def test_shard_auto_without_a_cluster_is_refused(capsys, gpus, monkeypatch):
+    gpus(None)
+    for name in ("SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"):
+        monkeypatch.delenv(name, raising=False)
+    assert "found no cluster task index" in _refused(
+        capsys, "--dp", "2", "--shard", "auto"
+    )
+
+
+def test_each_run_sees_only_its_slice_of_the_visible_gpus(gpus, monkeypatch):
+    gpus(8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,6,5,4,3")
+    visible = visible_gpus()
+    assert visible == ["7", "6", "5", "4", "3"]
+    assert plan_slots(2, 2, None, visible) == [
+        Slot((0, 2), ("7", "6")),
+        Slot((1, 2), ("5", "4")),
+    ]
+
+
+def test_cuda_visible_devices_is_read_as_cuda_reads_it(gpus, monkeypatch):
+    gpus(4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2,-1,3")
+    assert visible_gpus() == ["0", "2"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert visible_gpus() == ["0", "1", "2", "3"]
+    gpus(None)
+    assert visible_gpus() is None  # no NVIDIA GPU: vLLM's CPU backend
+
+
+def test_on_cpu_any_number_of_runs_is_planned():
+    slots = plan_slots(3, 2, None, None)
+    assert [s.shard for s in slots] == [(0, 3), (1, 3), (2, 3)]
+    assert all(s.gpus is None for s in slots)
+
+
+def test_shard_auto_splits_this_hosts_shard_among_its_runs():
+    hosts, runs = 3, 2
+    taken: list[int] = []
+    for host in range(hosts):
+        slots = plan_slots(runs, 1, (host, hosts), None)
+        for slot in slots:
+            index, count = slot.shard
+            mine = [j for j in range(60) if j % count == index]
+            assert all(j % hosts == host for j in mine)  # within this host's
+            taken += mine
+    assert sorted(taken) == list(range(60))  # every sample once
+
+
+def test_children_get_the_same_arguments_less_dp_and_shard():
+    argv = [
+        "-v",
+        *BASE,
+        "--layers",
+        "1,3",
+        "--max-num-seqs",
+        "4",
+        "--trust-remote-code",
+        "--dp",
+        "2",
+        "--shard",
+        "auto",
+    ]
+    args = build_parser().parse_args(argv)
+    child = build_parser().parse_args([*_extract_argv(args), "--shard", "0/2"])
+    mine, theirs = dict(vars(args)), dict(vars(child))
+    for name in ("data_parallel", "shard", "func"):
+        mine.pop(name), theirs.pop(name)
+    assert mine == theirs
+    assert child.shard == "0/2" and child.data_parallel is None
