@@ -131,3 +131,24 @@ def test_children_get_the_same_arguments_less_dp_and_shard():
         mine.pop(name), theirs.pop(name)
     assert mine == theirs
     assert child.shard == "0/2" and child.data_parallel is None
+
+
+def test_the_progress_line_has_the_pace_the_eta_and_each_shard(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(parallel.time, "time", lambda: 1000.0)
+    children = [
+        SimpleNamespace(
+            slot=Slot((0, 2), None), state="running", samples=6, tokens=3000, first=990
+        ),
+        SimpleNamespace(
+            slot=Slot((1, 2), None), state="starting", samples=0, tokens=0, first=None
+        ),
+    ]
+    line = parallel.progress_line(children, left=66)
+    # 3000 tokens in 10 s; 60 samples left at 0.6 samples/s: 100 s.
+    assert line == (
+        "extract: 6 samples, 300 tok/s, ETA 00:01:40; "
+        "shards: 0/2 running 6, 1/2 starting 0"
+    )
+    assert "ETA ?" in parallel.progress_line(children, left=None)

@@ -162,6 +162,8 @@ def render(status: Status, out: Path) -> list[str]:
     for run in status.runs:
         rate = run.tokens_per_second
         state = "live" if run.live else "ended"
+        if run.shard:  # which shard it was (extract --shard, --data-parallel)
+            state += f", shard {run.shard[0]}/{run.shard[1]}"
         shown = "-" if rate is None else f"{rate:,.0f} tok/s"
         lines.append(f"  run {run.run} ({state}): {run.samples} samples, {shown}")
         if run.live and rate:
