@@ -141,10 +141,13 @@ class _Child:
         """Count the entries this child's run has added to its manifest since
         the last call (its run id carries its process id)."""
         if self._manifest is None:
-            found = list(
-                (out / _store.META / "manifest").glob(f"*-{self.process.pid}-*.jsonl")
+            # Run ids are host-pid-random (store.Run); the host as it names it.
+            name = re.compile(
+                rf"{re.escape(_store.Run(out).host)}-{self.process.pid}-[0-9a-f]+\.jsonl"
             )
-            mine = [p for p in found if p.stat().st_mtime >= self.started - 1]
+            folder = out / _store.META / "manifest"
+            mine = [p for p in folder.iterdir() if name.fullmatch(p.name)]
+            mine = [p for p in mine if p.stat().st_mtime >= self.started - 1]
             if not mine:
                 return
             self._manifest = mine[0]
