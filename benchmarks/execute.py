@@ -146,6 +146,41 @@ def prepare(systems: list[str], models: list[str], num_seqs: int) -> Setup:
 # --- running ------------------------------------------------------------------
 
 
+def runner_command(
+    python: Path, system: str, model: Path, workload: Path, batch: int, out: Path
+) -> list[str]:
+    """``runner.py``'s command line for one system, model and workload."""
+    return [
+        str(python),
+        str(HERE / "runner.py"),
+        "--system",
+        system,
+        "--model",
+        str(model),
+        "--workload",
+        str(workload),
+        "--batch-size",
+        str(batch),
+        "--out",
+        str(out),
+    ]
+
+
+def budget_flags(budget: tuple[int, int, float] | None) -> list[str]:
+    """The step budget ``(max_num_seqs, max_batched_tokens,
+    cache_memory_fraction)`` as ``runner.py``'s flags; none for its defaults."""
+    if not budget:
+        return []
+    return [
+        "--max-num-seqs",
+        str(budget[0]),
+        "--max-batched-tokens",
+        str(budget[1]),
+        "--cache-memory-fraction",
+        str(budget[2]),
+    ]
+
+
 def run_one(
     system: str,
     python: Path,
@@ -163,33 +198,10 @@ def run_one(
     logfile = HERE / "results" / "logs" / f"{tag}.log"
     out.parent.mkdir(parents=True, exist_ok=True)
     logfile.parent.mkdir(parents=True, exist_ok=True)
-    command = [
-        str(python),
-        str(HERE / "runner.py"),
-        "--system",
-        system,
-        "--model",
-        str(model),
-        "--workload",
-        str(workload),
-        "--batch-size",
-        str(batch),
-        "--out",
-        str(out),
-    ]
+    command = runner_command(python, system, model, workload, batch, out)
     if save_states:
         command += ["--states", str(states)]
-    if budget:
-        command += [
-            "--max-num-seqs",
-            str(budget[0]),
-            "--max-batched-tokens",
-            str(budget[1]),
-            "--cache-memory-fraction",
-            str(budget[2]),
-        ]
-    if profile:
-        command.append("--profile")
+    command += budget_flags(budget) + (["--profile"] if profile else [])
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSHIM_")}
     env.update(RUN_ENV)
     env.pop("PYTHONPATH", None)

@@ -181,7 +181,7 @@ def child_stream(model: str, data: str, out: str) -> None:
     )
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2, help="A B B A blocks")
@@ -189,48 +189,54 @@ def main() -> int:
     parser.add_argument("--large", type=int, default=200_000)
     parser.add_argument("--child-bare", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--child-stream", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child_bare:
-        child_bare(*args.child_bare)
-        return 0
-    if args.child_stream:
-        child_stream(*args.child_stream)
-        return 0
+    return parser.parse_args()
 
-    model = ensure_models()["deepseek_v3"]
-    CACHE.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
-    try:
-        data = token_dataset(work / "tokens.jsonl", args.samples)
-        extract_runs, bare_runs = [], []
-        for block in range(args.rounds):
-            for kind in ("extract", "bare", "bare", "extract"):
-                log(f"throughput block {block + 1}/{args.rounds}: {kind}")
-                if kind == "extract":
-                    extract_runs.append(run_extract(model, data, work / "out"))
-                    rate = extract_runs[-1]["tokens_per_second"]
-                else:
-                    bare_runs.append(run_bare(model, data))
-                    rate = bare_runs[-1]["tokens_per_second"]
-                log(f"  {rate:,.0f} tok/s")
-        streaming = {}
-        for name, count in (("small", args.small), ("large", args.large)):
-            text = text_dataset(CACHE / f"text-{count}.jsonl", count)
-            log(f"streaming: {count:,} lines of text")
-            streaming[name] = {"lines": count, **run_streaming(model, text, work / "o")}
-            log(f"  {streaming[name]}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
+def throughput_blocks(
+    model: Path, data: Path, work: Path, rounds: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``rounds`` blocks of extract, bare, bare, extract: each kind's runs."""
+    extract_runs, bare_runs = [], []
+    for block in range(rounds):
+        for kind in ("extract", "bare", "bare", "extract"):
+            log(f"throughput block {block + 1}/{rounds}: {kind}")
+            if kind == "extract":
+                extract_runs.append(run_extract(model, data, work / "out"))
+                rate = extract_runs[-1]["tokens_per_second"]
+            else:
+                bare_runs.append(run_bare(model, data))
+                rate = bare_runs[-1]["tokens_per_second"]
+            log(f"  {rate:,.0f} tok/s")
+    return extract_runs, bare_runs
+
+
+def streaming_runs(model: Path, work: Path, small: int, large: int) -> dict[str, Any]:
+    """Time to first generate and peak RSS on a small and a large text file."""
+    streaming = {}
+    for name, count in (("small", small), ("large", large)):
+        text = text_dataset(CACHE / f"text-{count}.jsonl", count)
+        log(f"streaming: {count:,} lines of text")
+        streaming[name] = {"lines": count, **run_streaming(model, text, work / "o")}
+        log(f"  {streaming[name]}")
+    return streaming
+
+
+def judged(
+    samples: int,
+    extract_runs: list[dict[str, Any]],
+    bare_runs: list[dict[str, Any]],
+    streaming: dict[str, Any],
+) -> dict[str, Any]:
+    """The runs, their medians and ratios, and which goals they meet."""
     extract_rate = statistics.median(r["tokens_per_second"] for r in extract_runs)
     bare_rate = statistics.median(r["tokens_per_second"] for r in bare_runs)
     ratio = extract_rate / bare_rate
     small, large = streaming["small"], streaming["large"]
     first = large["first_generate_seconds"] / small["first_generate_seconds"]
     rss = large["peak_rss_mib"] / small["peak_rss_mib"]
-    results = {
+    return {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "samples": args.samples,
+        "samples": samples,
         "extract_runs": extract_runs,
         "bare_runs": bare_runs,
         "extract_tokens_per_second": extract_rate,
@@ -245,6 +251,28 @@ def main() -> int:
             "peak RSS within 10%": abs(rss - 1) <= GOAL_SPREAD,
         },
     }
+
+
+def main() -> int:
+    args = parse_args()
+    if args.child_bare:
+        child_bare(*args.child_bare)
+        return 0
+    if args.child_stream:
+        child_stream(*args.child_stream)
+        return 0
+
+    model = ensure_models()["deepseek_v3"]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
+    try:
+        data = token_dataset(work / "tokens.jsonl", args.samples)
+        extract_runs, bare_runs = throughput_blocks(model, data, work, args.rounds)
+        streaming = streaming_runs(model, work, args.small, args.large)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    results = judged(args.samples, extract_runs, bare_runs, streaming)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "extract.json").write_text(json.dumps(results, indent=2) + "\n")
     text = markdown(results)

@@ -197,7 +197,7 @@ def profile_wrappers(system: VllmSystem, batch: list[list[int]]) -> dict[str, An
 # --- one measurement ----------------------------------------------------------
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--system", choices=["specshim", "spec041", "hf"], required=True
@@ -213,30 +213,26 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", required=True)
     parser.add_argument("--states", help="where to save the sample rows' states")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    workload = json.loads(Path(args.workload).read_text())
+
+def timed_passes(
+    system: Any, workload: dict[str, Any], batch_size: int, count: int
+) -> tuple[list[dict[str, float]], dict[str, int], dict[int, Any]]:
+    """``count`` timed passes over the workload: each pass's seconds and tokens,
+    how many rows came back out of input order, and the sample rows' states."""
     seqs: list[list[int]] = workload["seqs"]
-    layers: list[int] = workload["layers"]
     sample = set(workload["sample"])
     index_of = {tuple(ids): i for i, ids in enumerate(seqs)}
-
-    cls = HFSystem if args.system == "hf" else VllmSystem
-    system = cls(args.system, args.model, layers, args)
-
-    # One warm-up batch, not counted.
-    system.generate(seqs[: args.batch_size])
-
     passes = []
     order = {"rows": 0, "batches": 0, "batches_out_of_order": 0, "rows_misplaced": 0}
     states: dict[int, Any] = {}
-    for _ in range(args.passes):
+    for _ in range(count):
         started = time.perf_counter()
         tokens = 0
-        for b, batch in enumerate(_batches(seqs, args.batch_size)):
+        for batch in _batches(seqs, batch_size):
             results = system.generate(batch)
             tokens += sum(len(ids) for ids, _ in results)
-            first = b * args.batch_size
             misplaced = sum(1 for i, (ids, _) in enumerate(results) if ids != batch[i])
             order["rows"] += len(results)
             order["batches"] += 1
@@ -246,8 +242,21 @@ def main() -> int:
                 index = index_of.get(tuple(ids))
                 if index in sample and index not in states:
                     states[index] = [h.float().cpu() for h in hidden]
-            del results, first
+            del results
         passes.append({"seconds": time.perf_counter() - started, "tokens": tokens})
+    return passes, order, states
+
+
+def main() -> int:
+    args = parse_args()
+    workload = json.loads(Path(args.workload).read_text())
+    seqs: list[list[int]] = workload["seqs"]
+    cls = HFSystem if args.system == "hf" else VllmSystem
+    system = cls(args.system, args.model, workload["layers"], args)
+
+    # One warm-up batch, not counted.
+    system.generate(seqs[: args.batch_size])
+    passes, order, states = timed_passes(system, workload, args.batch_size, args.passes)
 
     profile = None
     if args.profile and args.system == "specshim":
