@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "specshim"
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src" / "specshim"
+BENCHMARKS = ROOT / "benchmarks"
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 400
 
@@ -96,10 +98,74 @@ def test_no_module_is_over_the_limit():
 
 def test_no_function_is_over_the_limit():
     long = {}
-    for path in _modules():
+    for path in _modules() + sorted(BENCHMARKS.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
                 if lines > MAX_FUNCTION_LINES:
-                    long[f"{path.relative_to(SRC)}:{node.name}"] = lines
+                    long[f"{path.relative_to(ROOT)}:{node.name}"] = lines
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def _module_edges() -> dict[str, set[str]]:
+    """Which of specshim's modules each module imports (``if TYPE_CHECKING:``
+    blocks and function bodies included). A name imported from a module
+    (``from a.b import C``) counts as an import of ``a.b``; a module's own
+    parent packages are left out, since importing any submodule runs them."""
+    modules = {_name(p): p for p in _modules()}
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in _imports(path):
+            parts = imported.split(".")
+            while parts and ".".join(parts) not in modules:
+                parts.pop()
+            target = ".".join(parts)
+            if target and target != name and not name.startswith(target + "."):
+                targets.add(target)
+        edges[name] = targets
+    return edges
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every group of modules that reach each other through imports (Tarjan's
+    strongly connected components, those of more than one module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_circles_are_found():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(edges) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_one_that_imports_it():
+    circles = _circles(_module_edges())
+    assert not circles, f"modules that import each other: {circles}"

@@ -12,7 +12,7 @@ from specshim.job.checkpoint import kv_bytes_per_token
 from specshim.patches._util import scoped_environ
 
 if TYPE_CHECKING:
-    from specshim.job.extract import ExtractOptions
+    from specshim.job.options import ExtractOptions
 
 VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
 

@@ -19,7 +19,7 @@ import weakref
 from typing import Any
 
 from specshim._base import pid_alive
-from specshim.patches.worker._shared_states import HEADER, _unlink, _word
+from specshim.patches.worker._slab import HEADER, read_word, unlink_quietly
 
 
 def _dtype(name: str) -> Any:
@@ -60,7 +60,7 @@ def attach(path: str, generation: int, layers: Any, retired: Any = ()) -> list[A
         mapping = _map(path)
         if isinstance(mapping, Unattached):
             return [mapping for _ in layers]
-    found = _word(mapping, 0)
+    found = read_word(mapping, 0)
     if found != generation:
         stale = Unattached(
             f"the captured states in {path} are of fetch {found}, not of fetch "
@@ -101,7 +101,7 @@ def _map(path: str) -> Any:
         if not pid_alive(_owner_pid(old)):  # generator would keep them all
             del _ATTACHED[old]
     _ATTACHED[path] = mapping
-    _unlink(path)
+    unlink_quietly(path)
     return mapping
 
 

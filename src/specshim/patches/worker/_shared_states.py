@@ -50,23 +50,13 @@ import os
 import secrets
 from typing import Any
 
+from specshim.patches.worker._slab import HEADER, read_word, unlink_quietly
+
 logger = logging.getLogger(__name__)
 
-HEADER = 4096  # bytes 0-8: the fetch's generation; 8-16: the one released
 MAX_SLABS = 8  # calls whose states the caller may hold before the fallback
 _GROW = 1.25  # headroom, so slowly rising batch sizes do not retire slabs often
 _DIRECTORY = "/dev/shm"
-
-
-def _word(mapping: Any, at: int) -> int:
-    return int.from_bytes(mapping[at : at + 8], "little")
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class SharedStates:
@@ -121,7 +111,7 @@ class Slab:
             os.posix_fallocate(fd, 0, size)
             mapping = mmap.mmap(fd, size)
         except OSError:
-            _unlink(path)
+            unlink_quietly(path)
             raise
         finally:
             os.close(fd)
@@ -136,7 +126,7 @@ class Slab:
 
     def free(self) -> bool:
         """New, or released by the main process since its last fetch."""
-        return self.generation == _word(self.mapping, 8)
+        return self.generation == read_word(self.mapping, 8)
 
     def stamp(self, generation: int) -> None:
         self.generation = generation
@@ -167,7 +157,7 @@ class Slab:
             torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
         self.pinned = False
         self.base = self.mapping = None  # views elsewhere keep the memory alive
-        _unlink(self.path)
+        unlink_quietly(self.path)
 
 
 class HostRegion:

@@ -44,11 +44,11 @@ from specshim._types import Incompatible
 from specshim.patches._rows import match_runs
 from specshim.patches._util import declare
 from specshim.patches.worker._shared_states import (
-    HEADER,
     HostRegion,
     OwnedRows,
     SharedStates,
 )
+from specshim.patches.worker._slab import HEADER
 
 Piece = tuple[int, int, int]  # (forward, first row in it, rows)
 _ALIGN = 4096  # each layer's rows start on a page
