@@ -340,24 +340,26 @@ def test_summary_counts_in_words():
 
 
 def test_cpu_kv_space_follows_the_job_and_the_flag(monkeypatch, model):
-    from specshim.job.checkpoint import kv_bytes_per_token
-    from specshim.job.extract import ExtractOptions
-    from specshim.job.kv_cache import cpu_kv_space
+    from specshim._base import UsageError
+    from specshim.job.checkpoint import read_model
+    from specshim.job.kv_cache import cpu_kv_space, kv_need
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    options = ExtractOptions(model=Path(model), data=Path("d"), out=Path("o"))
-    assert kv_bytes_per_token(Path(model)) > 0
-    assert cpu_kv_space(options, 8192, 0.5) == (1, "the job's need")
-    big = ExtractOptions(model=Path(model), data=Path("d"), out=Path("o"))
-    gib, _ = cpu_kv_space(big, 1 << 30, 0.5)  # a huge step: capped by the machine
+    per_token = read_model(Path(model)).kv_bytes_per_token
+    assert per_token is not None and per_token > 0
+    need = kv_need(8192, 2048, per_token, 0.8, 0.5)
+    assert cpu_kv_space(None, need) == (1, "the job's need")
+    huge = kv_need(1 << 30, 2048, per_token, 0.8, 0.5)  # capped by the machine
+    gib, _ = cpu_kv_space(None, huge)
     import os
 
     available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert 1 <= gib <= available // 2 // (1 << 30)
+    with pytest.raises(UsageError, match="give --cpu-kv-space-gib"):
+        cpu_kv_space(None, None)  # a config that does not say enough
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
-    assert cpu_kv_space(options, 8192, 0.5) == (3, "VLLM_CPU_KVCACHE_SPACE")
-    options.cpu_kv_space_gib = 2
-    assert cpu_kv_space(options, 8192, 0.5) == (2, "--cpu-kv-space-gib")
+    assert cpu_kv_space(None, need) == (3, "VLLM_CPU_KVCACHE_SPACE")
+    assert cpu_kv_space(2, need) == (2, "--cpu-kv-space-gib")
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from specshim._base import SpecShimError
 from specshim.cli import main
 from specshim.job import extract as _extract
 from specshim.job import store as _store
-from specshim.job.checkpoint import hidden_size
+from specshim.job.checkpoint import hidden_size, model_fingerprint
 from specshim.job.export import MARKER
 from specshim.job.feed import Todo
 from specshim.job.options import ExtractOptions
@@ -56,7 +56,8 @@ def _fabricate(tmp_path: Path, model: Path, count: int) -> tuple[Path, Path]:
     out = tmp_path / "out"
     _store.prepare_out(out)
     run = _store.Run(out, {"shard": [0, 1]})
-    run.publish_config(output_config(run_identity(model, LAYERS, MAX_LEN), model, 1))
+    identity = run_identity(model_fingerprint(model), LAYERS, MAX_LEN)
+    run.publish_config(output_config(identity, model, 1))
     prepared = []
     for index, record in enumerate(records):
         ids, mask = record["input_ids"], [1] * len(record["input_ids"])

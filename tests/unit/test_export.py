@@ -55,7 +55,7 @@ def source(tmp_path, tiny_model_dir, monkeypatch):
         monkeypatch.setattr(
             _extract,
             "_make_generator",
-            lambda options, chosen: LayeredGenerator(chosen, hidden_size(model)),
+            lambda plan: LayeredGenerator(list(plan.layers), hidden_size(model)),
         )
         monkeypatch.setattr(_extract, "on_cpu", lambda: False)
         data = tmp_path / f"{name}.jsonl"

@@ -53,7 +53,7 @@ class FakeGenerator:
 def fake(monkeypatch):
     made: list[FakeGenerator] = []
 
-    def make(options, layers, on_generate=None):
+    def make(plan, on_generate=None):
         made.append(FakeGenerator(on_generate))
         return made[-1]
 
@@ -123,7 +123,7 @@ def test_writes_overlap_the_next_generate(tmp_path, tiny_model_dir, fake, monkey
             assert second_generate.wait(60), "batch 2 never started while 1 wrote"
         return save(run, todo, result)
 
-    def make(options, layers):
+    def make(plan):
         fake.append(FakeGenerator(lambda n: n == 2 and second_generate.set()))
         return fake[-1]
 
@@ -210,7 +210,7 @@ def test_a_short_batch_from_the_generator_is_refused(
         def generate(self, batch):
             return super().generate(batch)[:-1]
 
-    monkeypatch.setattr(_extract, "_make_generator", lambda options, layers: Short())
+    monkeypatch.setattr(_extract, "_make_generator", lambda plan: Short())
     monkeypatch.setattr(_extract, "on_cpu", lambda: False)
     model = tiny_model_dir("llama")
     data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(4)])
@@ -275,7 +275,7 @@ def test_an_unexpected_generate_error_is_one_line(tmp_path, tiny_model_dir, fake
                 raise RuntimeError("CUDA error: an illegal memory access\nmore")
             return super().generate(batch)
 
-    def make(options, layers):
+    def make(plan):
         fake.append(Failing())
         return fake[-1]
 
@@ -477,7 +477,7 @@ def test_the_cpu_kv_cache_variable_is_set_for_the_generator_only(
         monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", before)
     seen = []
 
-    def make(options, layers):
+    def make(plan):
         seen.append(os.environ.get("VLLM_CPU_KVCACHE_SPACE"))
         return FakeGenerator()
 
@@ -548,7 +548,7 @@ def test_a_stalled_start_up_says_every_interval_what_it_waits_for(
     def wait_for_ready():
         time.sleep(0.4)
 
-    def make(options, layers):
+    def make(plan):
         wait_for_ready()
         Executor().collective_rpc("determine_available_memory")
         fake.append(FakeGenerator())

@@ -217,7 +217,8 @@ def test_post_import_hook_does_not_fire_for_a_failed_import(fake_module):
 
 def test_extract_step_budget_precedence(generator_module, monkeypatch, tmp_path):
     from specshim._settings import STEP_DEFAULTS
-    from specshim.job.extract import ExtractOptions, step_settings
+    from specshim.job.options import ExtractOptions
+    from specshim.job.plan import step_settings
 
     options = ExtractOptions(model=tmp_path, data=tmp_path, out=tmp_path)
     state = step_settings(options)  # no flags, no environment: extract's defaults

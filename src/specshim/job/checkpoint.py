@@ -6,6 +6,7 @@ job's flags for it (said first, in one line naming the flag)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,54 @@ def text_config(model: Path, flag: str = "--model") -> tuple[Path, dict[str, Any
 
 
 def config_int(model: Path, *keys: str) -> tuple[int, ...]:
-    config_file, config = text_config(model)
+    return _ints(*text_config(model), *keys)
+
+
+def _ints(config_file: Path, config: dict[str, Any], *keys: str) -> tuple[int, ...]:
     try:
         return tuple(int(config[key]) for key in keys)
     except (KeyError, TypeError, ValueError):
         raise UsageError(f"{config_file}: cannot find {' and '.join(keys)}") from None
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What an extract run needs of a checkpoint, read once (``read_model``)."""
+
+    path: Path  # as given
+    config_file: Path
+    num_layers: int
+    vocab_size: int
+    # max_position_embeddings where vLLM takes it as the limit (no rope
+    # scaling stretches it); None where the config leaves the limit to vLLM.
+    positions: int | None
+    attention_heads: int | None
+    kv_bytes_per_token: int | None  # None: the config does not say enough
+    fingerprint: str
+
+
+def read_model(model: Path) -> ModelFacts:
+    """The checkpoint's facts; refuses, naming --model, what is no checkpoint."""
+    config_file, config = text_config(model)
+    num_layers, vocab_size = _ints(
+        config_file, config, "num_hidden_layers", "vocab_size"
+    )
+    positions = config.get("max_position_embeddings")
+    # Where rope scaling stretches the positions, vLLM computes the limit.
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else "?"
+    scaled = kind not in (None, "default")
+    heads = config.get("num_attention_heads")
+    return ModelFacts(
+        path=model,
+        config_file=config_file,
+        num_layers=num_layers,
+        vocab_size=vocab_size,
+        positions=positions if isinstance(positions, int) and not scaled else None,
+        attention_heads=heads if isinstance(heads, int) else None,
+        kv_bytes_per_token=_kv_bytes_per_token(config),
+        fingerprint=model_fingerprint(model),
+    )
 
 
 def model_facts(model: Path) -> tuple[int, int]:
@@ -100,22 +144,18 @@ def model_fingerprint(model: Path) -> str:
     return digest.hexdigest()
 
 
-def check_against_model(model: Path, max_model_len: int, tp: int) -> None:
+def check_against_model(model: ModelFacts, max_model_len: int, tp: int) -> None:
     """What vLLM would refuse of these values for this checkpoint, refused
     first, in one line naming the flag and the model's limit."""
-    config_file, config = text_config(model)
-    positions = config.get("max_position_embeddings")
-    # Where rope scaling stretches the positions, vLLM computes the limit.
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else "?"
-    scaled = kind not in (None, "default")
-    if isinstance(positions, int) and not scaled and max_model_len > positions:
+    positions = model.positions
+    if positions is not None and max_model_len > positions:
         raise UsageError(
             f"--max-model-len {max_model_len}: the model has {positions} positions "
-            f"(max_position_embeddings in {config_file}); give at most {positions}"
+            f"(max_position_embeddings in {model.config_file}); give at most "
+            f"{positions}"
         )
-    heads = config.get("num_attention_heads")
-    if isinstance(heads, int) and heads % tp:
+    heads = model.attention_heads
+    if heads is not None and heads % tp:
         divisors = [n for n in range(1, heads + 1) if heads % n == 0]
         raise UsageError(
             f"--tp {tp}: the model's {heads} attention heads must split evenly "
@@ -123,13 +163,20 @@ def check_against_model(model: Path, max_model_len: int, tp: int) -> None:
         )
 
 
-def kv_bytes_per_token(model: Path) -> int:
-    """An upper estimate of one token's KV cache (bfloat16, every layer).
+def _kv_bytes_per_token(config: dict[str, Any]) -> int | None:
+    """An upper estimate of one token's KV cache (bfloat16, every layer); None
+    where the config does not say enough.
 
     Multi-head latent attention runs as plain attention on the CPU backend
     (``VLLM_MLA_DISABLE``): K and V then span every head.
     """
-    _, config = text_config(model)
+    try:
+        return _kv_bytes(config)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _kv_bytes(config: dict[str, Any]) -> int:
     layers = int(config.get("num_hidden_layers", 1))
     heads = int(config.get("num_attention_heads", 1))
     kv_heads = int(config.get("num_key_value_heads") or heads)

@@ -19,37 +19,22 @@ directory, can write into it at once.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import time
 from typing import Any
 
 from specshim import _settings
 from specshim._base import SpecShimError, UsageError
-from specshim._settings import STEP_DEFAULTS, trust_remote_code
 from specshim.job import startup
 from specshim.job import store as _store
-from specshim.job.checkpoint import (
-    check_against_model,
-    choose_layers,
-    model_facts,
-    truncation_length,
-)
-from specshim.job.feed import Feed, FeedSpec, Todo
-from specshim.job.kv_cache import VARIABLE as KV_VARIABLE
+from specshim.job.feed import Feed, Todo
 from specshim.job.kv_cache import cpu_kv_cache_space, cpu_kv_space, on_cpu
 from specshim.job.options import ExtractOptions
-from specshim.job.run_config import check_identity, output_config, run_identity
+from specshim.job.plan import RunPlan, plan_run
+from specshim.job.run_config import check_identity
 from specshim.job.tokenizing import warn_truncated
 from specshim.job.writer import Progress, Writer, drain
 
 logger = logging.getLogger(__name__)
-
-
-def step_settings(options: ExtractOptions) -> dict[str, Any]:
-    """Put this run's step budget in force (flag > environment > STEP_DEFAULTS)."""
-    flags = {knob.name: getattr(options, knob.name) for knob in _settings.KNOBS}
-    return _settings.apply_resolved(_settings.resolve(flags, STEP_DEFAULTS, "extract"))
 
 
 def extract(options: ExtractOptions) -> dict[str, Any]:
@@ -62,86 +47,53 @@ def extract(options: ExtractOptions) -> dict[str, Any]:
         return _extract(options)
 
 
-def _check_options(options: ExtractOptions) -> None:
-    if options.max_model_len < 2:
-        raise UsageError("--max-model-len must be at least 2")
-    for flag, value in (("--batch-size", options.batch_size), ("--tp", options.tp)):
-        if value < 1:
-            raise UsageError(f"{flag} must be at least 1, got {value}")
-    if not 0 < options.gpu_memory_utilization <= 1:
-        raise UsageError("--gpu-memory-utilization must be in (0, 1]")
-    if options.cpu_kv_space_gib is not None and options.cpu_kv_space_gib < 1:
-        raise UsageError("--cpu-kv-space-gib must be at least 1")
-    kv_env = os.environ.get(KV_VARIABLE, "").strip()
-    if kv_env and not kv_env.isdigit():
-        raise UsageError(
-            f"{KV_VARIABLE}={kv_env!r}: vLLM expects a whole number of GiB"
-        )
-
-
 def _extract(options: ExtractOptions) -> dict[str, Any]:
-    # Cheap checks first: flags, paths and what --out already holds, before the
-    # dataset is read or a model is loaded.
-    num_layers, vocab_size = model_facts(options.model)
-    layers = choose_layers(options.layers, num_layers)
-    _check_options(options)
-    check_against_model(options.model, options.max_model_len, options.tp)
-    settings = step_settings(options)
-    if not options.data.exists():
-        raise UsageError(f"--data {options.data}: no such file or directory")
-    _store.prepare_out(options.out)
-    identity = run_identity(options.model, layers, options.max_model_len)
-    existing = _store.read_config(options.out)
-    if existing is not None:
-        check_identity(options.out, existing, identity)
-    run = _store.Run(options.out, {"shard": list(options.shard)})
-    run.start()
+    # Cheap checks first: the plan (model, flags, paths), then what --out
+    # already holds, before the dataset is read or a model is loaded.
+    plan = plan_run(options)
+    run = _open_output(plan)
     feed = None
     try:
         cleaned = run.remove_dead_partials()
         if cleaned:
             logger.info("extract: removed %d leftovers of runs that died", cleaned)
-        feed = _start_feed(options, vocab_size)
+        feed = Feed(plan.feed).start()
         logger.info(
             "extract: streaming %s (shard %d/%d), layers %s; step budget %s",
-            options.data,
-            *options.shard,
-            layers,
-            ", ".join(f"{k}={v['value']} ({v['source']})" for k, v in settings.items()),
+            plan.data,
+            *plan.shard,
+            list(plan.layers),
+            ", ".join(
+                f"{k}={v['value']} ({v['source']})" for k, v in plan.settings.items()
+            ),
         )
-        counts = _Pipeline(options, layers, settings, identity, run).run(feed)
-        return _finish(options, feed, run, counts)
+        counts = _Pipeline(plan, run).run(feed)
+        return _finish(plan, feed, run, counts)
     finally:
         if feed is not None:
             feed.close()
         run.close()
 
 
-def _start_feed(options: ExtractOptions, vocab_size: int) -> Feed:
-    return Feed(
-        FeedSpec(
-            data=options.data,
-            model=options.model,
-            out=options.out,
-            shard=options.shard,
-            split=options.split,
-            column=options.column,
-            vocab_size=vocab_size,
-            max_len=truncation_length(options.max_model_len),
-            trust_remote_code=trust_remote_code(),
-        )
-    ).start()
+def _open_output(plan: RunPlan) -> _store.Run:
+    """``--out`` made ready, refused if it holds output of other settings, and
+    this run's manifest started in it."""
+    _store.prepare_out(plan.out)
+    existing = _store.read_config(plan.out)
+    if existing is not None:
+        check_identity(plan.out, existing, plan.identity)
+    run = _store.Run(plan.out, {"shard": list(plan.shard)})
+    run.start()
+    return run
 
 
 def _finish(
-    options: ExtractOptions, feed: Feed, run: _store.Run, counts: dict[str, Any]
+    plan: RunPlan, feed: Feed, run: _store.Run, counts: dict[str, Any]
 ) -> dict[str, Any]:
     """Record the dataset's size, say what the run found, return the counts."""
     run.annotate({"dataset_samples": feed.total, "finished": time.time()})
-    warn_truncated(
-        feed.truncated, feed.samples, truncation_length(options.max_model_len)
-    )
-    _handle_orphans(options, feed.total, run.id)
+    warn_truncated(feed.truncated, feed.samples, plan.max_len)
+    _handle_orphans(plan, feed.total, run.id)
     for why, count in feed.rewrites.items():
         logger.warning("extract: rewrote %d file(s): %s", count, why)
     if not counts["written"]:
@@ -154,27 +106,27 @@ def _finish(
     }
 
 
-def _handle_orphans(options: ExtractOptions, total: int, run: str) -> None:
+def _handle_orphans(plan: RunPlan, total: int, run: str) -> None:
     """Files past the dataset's end are moved aside (``--move-orphans``) or
     refused: speculators' trainer would read them as training data."""
-    found = _store.orphans(_store.existing_files(options.out), total)
+    found = _store.orphans(_store.existing_files(plan.out), total)
     if not found:
         return
     names = ", ".join(f"data_{i}.pt" for i in found[:3]) + (
         " ..." if len(found) > 3 else ""
     )
-    if options.move_orphans:
-        folder = _store.move_orphans(options.out, found, run)
+    if plan.move_orphans:
+        folder = _store.move_orphans(plan.out, found, run)
         logger.warning(
             "extract: moved %d file(s) of samples %s does not have (%s) to %s",
             len(found),
-            options.data,
+            plan.data,
             names,
             folder,
         )
         return
     raise UsageError(
-        f"{options.out} holds {len(found)} file(s) of samples {options.data} does "
+        f"{plan.out} holds {len(found)} file(s) of samples {plan.data} does "
         f"not have ({names}; it has {total} samples), which speculators' trainer "
         "would read; every sample of the dataset is written. Rerun with "
         "--move-orphans to move them to .specshim/orphans/, or delete them"
@@ -190,16 +142,8 @@ class _Pipeline:
     are written before the error is raised.
     """
 
-    def __init__(
-        self,
-        options: ExtractOptions,
-        layers: list[int],
-        settings: dict[str, Any],
-        identity: dict[str, Any],
-        run: _store.Run,
-    ) -> None:
-        self.options, self.layers, self.settings = options, layers, settings
-        self.identity, self.run_ = identity, run
+    def __init__(self, plan: RunPlan, run: _store.Run) -> None:
+        self.plan, self.run_ = plan, run
         self.generator: Any = None
         self.writer: Writer | None = None
         self.progress: Progress | None = None
@@ -212,7 +156,7 @@ class _Pipeline:
         try:
             for todo in feed:
                 batch.append(todo)
-                if len(batch) == self.options.batch_size:
+                if len(batch) == self.plan.batch_size:
                     self._step(batch)
                     batch = []
             if batch:
@@ -239,19 +183,14 @@ class _Pipeline:
         }
 
     def _start(self) -> None:
-        options = self.options
+        plan = self.plan
         space = None
         if on_cpu():
-            space, source = cpu_kv_space(
-                options,
-                int(self.settings["max_batched_tokens"]["value"]),
-                float(self.settings["cache_memory_fraction"]["value"]),
-            )
+            space, source = cpu_kv_space(plan.cpu_kv_space_gib, plan.kv_need_bytes)
             logger.info("extract: vLLM CPU KV-cache space %d GiB (%s)", space, source)
         with cpu_kv_cache_space(space), startup.announced():
-            self.generator = _make_generator(options, self.layers)
-        bar = sys.stderr.isatty() if options.progress is None else options.progress
-        self.progress = Progress(bar)
+            self.generator = _make_generator(plan)
+        self.progress = Progress(plan.progress)
         self.writer = Writer(self.run_, self.progress)
 
     def _step(self, batch: list[Todo]) -> None:
@@ -268,26 +207,24 @@ class _Pipeline:
                 "samples; nothing of this batch was written"
             )
         if not self.published:  # the settings are fixed by the first sample
-            in_force = self.run_.publish_config(
-                output_config(self.identity, self.options.model, self.options.tp)
-            )
-            check_identity(self.options.out, in_force, self.identity)
+            in_force = self.run_.publish_config(self.plan.output_config)
+            check_identity(self.plan.out, in_force, self.plan.identity)
             self.published = True
         self.writer.put(batch, results)
 
 
-def _make_generator(options: ExtractOptions, layers: list[int]) -> Any:
+def _make_generator(plan: RunPlan) -> Any:
     # specshim is imported (this module is part of it), so the patches are
     # armed before speculators' modules load here.
     from speculators.data_generation import VllmHiddenStatesGenerator
 
     try:
         return VllmHiddenStatesGenerator(
-            str(options.model),
-            layer_ids=layers,
-            max_model_len=options.max_model_len,
-            gpu_memory_utilization=options.gpu_memory_utilization,
-            tensor_parallel_size=options.tp,
+            str(plan.model.path),
+            layer_ids=list(plan.layers),
+            max_model_len=plan.max_model_len,
+            gpu_memory_utilization=plan.gpu_memory_utilization,
+            tensor_parallel_size=plan.tp,
         )
     except SpecShimError:
         raise

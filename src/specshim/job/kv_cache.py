@@ -6,35 +6,44 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
-from specshim.job.checkpoint import kv_bytes_per_token
+from specshim._base import UsageError
 from specshim.patches._util import scoped_environ
-
-if TYPE_CHECKING:
-    from specshim.job.options import ExtractOptions
 
 VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
 
 
-def cpu_kv_space(
-    options: ExtractOptions, max_batched_tokens: int, cache_memory_fraction: float
-) -> tuple[int, str]:
-    """vLLM's CPU KV-cache space for this job, in GiB, and where it came from.
+def kv_need(
+    step_tokens: int,
+    max_model_len: int,
+    bytes_per_token: int,
+    gpu_memory_utilization: float,
+    cache_memory_fraction: float,
+) -> float:
+    """The CPU KV-cache space the job needs, in bytes.
 
     speculators gives its KV cache ``space * gpu_memory_utilization *
     cache_memory_fraction``; the job needs one step's tokens (at least one
-    whole sequence), twice over for block rounding. The machine caps it at
-    half of the memory available now. vLLM's own default is most of the
-    machine's free memory.
+    whole sequence), twice over for block rounding.
     """
-    if options.cpu_kv_space_gib is not None:
-        return options.cpu_kv_space_gib, "--cpu-kv-space-gib"
+    need = 2 * max(step_tokens, max_model_len) * bytes_per_token
+    return need / (gpu_memory_utilization * cache_memory_fraction)
+
+
+def cpu_kv_space(flag_gib: int | None, need: float | None) -> tuple[int, str]:
+    """vLLM's CPU KV-cache space for this job, in GiB, and where it came from:
+    ``--cpu-kv-space-gib``, else the variable, else the job's ``need`` (bytes,
+    ``kv_need``) capped at half of the memory available now. vLLM's own
+    default is most of the machine's free memory."""
+    if flag_gib is not None:
+        return flag_gib, "--cpu-kv-space-gib"
     if os.environ.get(VARIABLE, "").strip():
         return int(os.environ[VARIABLE]), VARIABLE
-    tokens = max(max_batched_tokens, options.max_model_len)
-    need = 2 * tokens * kv_bytes_per_token(options.model)
-    need /= options.gpu_memory_utilization * cache_memory_fraction
+    if need is None:
+        raise UsageError(
+            "--model: its config.json does not say how large a token's KV cache "
+            "is (layers, heads, head size); give --cpu-kv-space-gib"
+        )
     gib = 1 << 30
     available = available_memory() // 2
     return max(1, min(-(-int(need) // gib), available // gib)), "the job's need"

@@ -10,7 +10,6 @@ from typing import Any
 
 from specshim._base import PACKAGES, SpecShimError, UsageError
 from specshim._versions import installed_version
-from specshim.job.checkpoint import model_fingerprint
 from specshim.job.store import CONFIG_NAME, read_config
 
 # Keys of data_config.json that must agree before a run may add to a directory.
@@ -21,11 +20,13 @@ RUN_IDENTITY = ("model_fingerprint", "layers", "max_model_len", "versions")
 PINNED_VERSIONS = ("vllm", "speculators")
 
 
-def run_identity(model: Path, layers: list[int], max_model_len: int) -> dict[str, Any]:
+def run_identity(
+    fingerprint: str, layers: list[int], max_model_len: int
+) -> dict[str, Any]:
     """What a directory's samples depend on: the settings every run adding to it
-    must share."""
+    must share (``fingerprint``: the checkpoint's ``model_fingerprint``)."""
     return {
-        "model_fingerprint": model_fingerprint(model),
+        "model_fingerprint": fingerprint,
         "layers": layers,
         "max_model_len": max_model_len,
         "versions": {n: installed_version(n) for n in PINNED_VERSIONS},
