@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from specshim import _settings
 from specshim._base import UsageError
@@ -19,21 +18,7 @@ from specshim.job import extract as _extract
 from specshim.job.options import ExtractOptions
 from specshim.job.plan import RunPlan, plan_run
 
-
-class _Generator:
-    executor = None
-
-    def generate(self, batch: list[list[int]]) -> list[dict[str, Any]]:
-        return [
-            {
-                "input_ids": torch.tensor(ids),
-                "hidden_states": [torch.tensor(ids, dtype=torch.float32)[:, None]],
-            }
-            for ids in batch
-        ]
-
-    def shutdown(self) -> None:
-        pass
+from .test_extract_pipeline import FakeGenerator
 
 
 def _data(path: Path, count: int) -> Path:
@@ -63,9 +48,9 @@ def test_the_checkpoint_is_read_once_and_the_generator_gets_the_plan(
     fingerprints = _counting(monkeypatch, "model_fingerprint")
     plans: list[RunPlan] = []
 
-    def make(plan: RunPlan) -> _Generator:
+    def make(plan: RunPlan) -> FakeGenerator:
         plans.append(plan)
-        return _Generator()
+        return FakeGenerator()
 
     monkeypatch.setattr(_extract, "_make_generator", make)
     monkeypatch.setattr(_extract, "on_cpu", lambda: False)
