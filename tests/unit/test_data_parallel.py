@@ -152,3 +152,23 @@ def test_the_progress_line_has_the_pace_the_eta_and_each_shard(monkeypatch):
         "shards: 0/2 running 6, 1/2 starting 0"
     )
     assert "ETA ?" in parallel.progress_line(children, left=None)
+
+
+def test_progress_counts_only_entries_as_a_run_writes_them():
+    """A child's manifest is read with the manifest's own parser: a header, a
+    torn or damaged line counts nothing and stops nothing (a token count that
+    is no number used to raise in the parent's progress loop)."""
+    import json
+
+    child = parallel._Child(Slot((0, 2), None), process=None, log=None, started=0.0)
+    entry = [3, "ab" * 8, "cd" * 8, 4096, 17, 1_000, 250, False]
+    lines = [
+        json.dumps({"run": "h-1-abc", "shard": [0, 2]}),
+        json.dumps(entry),
+        json.dumps([*entry[:6], "x", False]),  # a token count that is no count
+        "{torn",
+        "\xff\xfe not json",
+    ]
+    for line in lines:
+        child._count(line.encode("utf-8", errors="surrogateescape"))
+    assert (child.samples, child.tokens, child.state) == (1, 250, "running")

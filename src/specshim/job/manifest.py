@@ -74,7 +74,7 @@ def read_manifest(path: Path) -> tuple[dict[str, Any], list[Entry]]:
     entries, damaged = [], []
     with path.open(encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, 1):
-            fields, why = _parse_line(line)
+            fields, why = parse_line(line)
             if isinstance(fields, dict):
                 header.update(fields)
             elif isinstance(fields, Entry):
@@ -93,7 +93,7 @@ def read_manifest(path: Path) -> tuple[dict[str, Any], list[Entry]]:
     return header, entries
 
 
-def _parse_line(line: str) -> tuple[dict[str, Any] | Entry | None, str]:
+def parse_line(line: str) -> tuple[dict[str, Any] | Entry | None, str]:
     """A manifest line as a header part or an Entry; else None and why not."""
     try:
         fields = decode_json(line)

@@ -16,7 +16,6 @@ is whole (``specshim.job.writer``), so a rerun of the same command resumes.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -33,6 +32,7 @@ from typing import IO, Any
 
 from specshim._base import SpecShimError, UsageError
 from specshim.job import store as _store
+from specshim.job.manifest import Entry, parse_line
 
 logger = logging.getLogger(__name__)
 
@@ -160,13 +160,10 @@ class _Child:
                 self._count(line)
 
     def _count(self, line: bytes) -> None:
-        try:
-            fields = json.loads(line)
-        except ValueError:
-            return
-        if isinstance(fields, list) and len(fields) >= 7:
+        entry, _ = parse_line(line.decode("utf-8", errors="replace"))
+        if isinstance(entry, Entry):  # a header part, or a line not as written
             self.samples += 1
-            self.tokens += int(fields[6])
+            self.tokens += entry.num_tokens
             self.first = self.first or time.time()
             if self.state == "starting":
                 self.state = "running"
