@@ -172,3 +172,19 @@ def test_progress_counts_only_entries_as_a_run_writes_them():
     for line in lines:
         child._count(line.encode("utf-8", errors="surrogateescape"))
     assert (child.samples, child.tokens, child.state) == (1, 250, "running")
+
+
+def test_a_shard_log_begins_with_the_gpus_it_was_given(tmp_path):
+    """The log's first line is the child's command as a shell would run it:
+    which GPUs a shard ran on is in its log, and on CPU no GPU is named."""
+    (tmp_path / ".specshim").mkdir()
+    slots = [Slot((1, 2), ("2", "3")), Slot((0, 2), None)]
+    argv = ["extract", "--model", "m", "--out", str(tmp_path)]
+    for slot in slots:
+        child = parallel._start(slot, [*argv, "--help"], tmp_path)
+        child.process.wait(timeout=120)
+        child.log.close()
+    first = [slot.log(tmp_path).read_text().splitlines()[0] for slot in slots]
+    assert first[0].startswith("# CUDA_VISIBLE_DEVICES=2,3 ")
+    assert first[0].endswith("--help --shard 1/2")
+    assert first[1].startswith("# ") and "CUDA_VISIBLE_DEVICES" not in first[1]

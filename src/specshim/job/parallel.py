@@ -176,7 +176,7 @@ def _start(slot: Slot, argv: list[str], out: Path) -> _Child:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpus)
     command = [sys.executable, "-m", "specshim", *argv, "--shard", slot.name]
     log = slot.log(out).open("wb")
-    log.write(f"# {' '.join(command)}\n".encode())
+    log.write(f"# {_header(slot, command)}\n".encode())
     log.flush()
     # Its own session: a Ctrl-C at the terminal reaches this process only,
     # which passes it on (``_signal``) to the child's whole process group.
@@ -189,6 +189,12 @@ def _start(slot: Slot, argv: list[str], out: Path) -> _Child:
         start_new_session=True,
     )
     return _Child(slot, process, log, time.time())
+
+
+def _header(slot: Slot, command: list[str]) -> str:
+    """The child's command as a shell would run it, its GPUs first."""
+    gpus = "" if slot.gpus is None else f"CUDA_VISIBLE_DEVICES={','.join(slot.gpus)} "
+    return gpus + " ".join(command)
 
 
 def _signal(child: _Child, signum: int) -> None:
