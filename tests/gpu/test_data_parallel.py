@@ -1,0 +1,23 @@
+"""``specshim extract --data-parallel 1`` on the GPU: the one shard runs on
+the one GPU and writes what a plain run writes. (N > 1 needs a host with more
+GPUs than the lent one; the CPU tier runs N = 2.)"""
+
+from __future__ import annotations
+
+from ..e2e.test_extract import _command, _dataset, _run_ok
+from ..e2e.test_extract_parallel import ALONE, _assert_identical
+
+
+def test_data_parallel_one_writes_what_a_plain_run_writes(tmp_path, tiny_model_dir):
+    """One shard on the one GPU: the child sees CUDA_VISIBLE_DEVICES=<that
+    GPU> and ``--shard 0/1``; its files, manifest and data_config.json must be
+    bit-identical to a plain run's (each sample generated alone in both)."""
+    model = tiny_model_dir("llama")
+    data = _dataset(tmp_path / "d.jsonl", 8, 5, 60, seed=7)
+    plain, one = tmp_path / "plain", tmp_path / "one"
+    _run_ok(_command(model, data, plain, *ALONE), timeout=600)
+    run = _run_ok(_command(model, data, one, *ALONE, "--data-parallel", "1"))
+    assert "wrote 8 samples (0 already there)" in run.stdout, run.stdout
+    _assert_identical(plain, one)
+    header = (one / ".specshim" / "shard-0-of-1.log").read_text().splitlines()[0]
+    assert header.startswith("# CUDA_VISIBLE_DEVICES=0 "), header
