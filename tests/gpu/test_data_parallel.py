@@ -4,6 +4,8 @@ GPUs than the lent one; the CPU tier runs N = 2.)"""
 
 from __future__ import annotations
 
+from specshim.job.parallel import visible_gpus
+
 from ..e2e.test_extract import _command, _dataset, _run_ok
 from ..e2e.test_extract_parallel import ALONE, _assert_identical
 
@@ -20,4 +22,5 @@ def test_data_parallel_one_writes_what_a_plain_run_writes(tmp_path, tiny_model_d
     assert "wrote 8 samples (0 already there)" in run.stdout, run.stdout
     _assert_identical(plain, one)
     header = (one / ".specshim" / "shard-0-of-1.log").read_text().splitlines()[0]
-    assert header.startswith("# CUDA_VISIBLE_DEVICES=0 "), header
+    first = visible_gpus()[0]  # what a shard of one on a host of one is given
+    assert header.startswith(f"# CUDA_VISIBLE_DEVICES={first} "), header
