@@ -13,6 +13,7 @@ ran on (runner, attention and MoE backends) is printed at the end.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import subprocess
@@ -72,6 +73,19 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
         item.add_marker(pytest.mark.gpu)
         if skip is not None:
             item.add_marker(skip)
+
+
+_STACKS: list[Any] = []  # the open file faulthandler writes to
+
+
+def pytest_sessionfinish(session: Any) -> None:
+    """The tier's run must end within 30 s of its tests: if it is still alive
+    45 s after them, write every thread's stack (again every 45 s) to the file
+    tests/gpu/tier.py names, so a process that does not exit says where."""
+    path = os.environ.get("SPECSHIM_GPU_TIER_STACKS")
+    if path:
+        _STACKS.append(open(path, "w"))  # noqa: SIM115 - must outlive this hook
+        faulthandler.dump_traceback_later(45, repeat=True, file=_STACKS[-1])
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

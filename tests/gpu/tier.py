@@ -1,23 +1,28 @@
-"""Run the GPU tier as three pytest processes at once: the reference cases
-(one generator at a time, in process) beside the routes (one vLLM at a time,
-in subprocesses) and ``--data-parallel 1`` against a plain run (two
-``extract`` commands). Both are mostly start-ups (imports, worker spawn, weight
-loading), which a single GPU overlaps well; run one after the other, the tier
-does not fit a 10-minute window.
+"""Run the GPU tier as pytest processes sharing the GPU, two at a time: the
+reference cases (one generator at a time, in process), the routes (one vLLM
+at a time, in subprocesses) and ``extract --data-parallel 1`` against a plain
+run. All are mostly start-ups (imports, worker spawn, weight loading), which a
+single GPU overlaps well.
 
-Three vLLM instances at once fit any GPU here: speculators sizes its KV cache
-from free memory (``0.8 * 0.2`` of it), and vLLM's start-up check asks for
-``0.8`` of the total, so the later instances still find enough.
-``--jobs 1`` runs the groups one after the other.
+Two at a time, never three: vLLM's start-up check asks for ``0.8`` of the
+GPU's total memory free (speculators' ``gpu_memory_utilization``), and each
+running instance holds about ``0.16`` of it (speculators sizes the KV cache
+from ``0.8 * 0.2`` of the free memory); with two others running, the third
+start-up is refused (seen on the H200: 95.9 of 139.8 GiB free, 111.8 asked).
+A group starts when one ends; ``--jobs 1`` runs them one after the other, and
+``--group NAME`` (repeatable) runs only those.
 
-    python -m tests.gpu.tier [--jobs 1|3] [--logs DIR] [PYTEST ARGS...]
+    python -m tests.gpu.tier [--jobs 1|2] [--group NAME] [--logs DIR] [PYTEST ARGS...]
 
 Exit status: the first non-zero status of the pytest runs, else 0. Each run's
-output goes to ``DIR/<name>.log``; its last lines are printed at the end."""
+output goes to ``DIR/<name>.log``; its last lines are printed at the end. A
+run still alive 45 s after its tests ended writes every thread's stack to
+``DIR/<name>.stacks`` (tests/gpu/conftest.py), every 45 s."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,31 +31,38 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 # The reference cases with the exit checks; every other way in (extract,
-# verify, check, the plugin, the refusals); and the data-parallel comparison,
-# apart so that no group runs much longer than the others.
+# verify, check, the plugin, the refusals); the data-parallel comparison.
 GROUPS = {
     "reference": ["test_reference.py", "test_exit.py"],
     "routes": ["test_paths.py"],
     "shards": ["test_data_parallel.py"],
 }
+STACKS = "SPECSHIM_GPU_TIER_STACKS"  # where a run's late stack dumps go
 TAIL = 25
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.gpu.tier")
-    parser.add_argument(
-        "--jobs", type=int, default=len(GROUPS), choices=(1, len(GROUPS))
-    )
+    parser.add_argument("--jobs", type=int, default=2, choices=(1, 2))
+    parser.add_argument("--group", action="append", choices=list(GROUPS))
     parser.add_argument("--logs", type=Path, default=None)
     args, pytest_args = parser.parse_known_args(argv)
     logs = args.logs or Path(tempfile.mkdtemp(prefix="specshim-gpu-tier-"))
     logs.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    waiting = list(args.group or GROUPS)
+    running: dict[str, subprocess.Popen] = {}
     statuses: dict[str, int] = {}
-    batches = [list(GROUPS)] if args.jobs > 1 else [[name] for name in GROUPS]
-    for batch in batches:
-        running = {name: _start(name, logs, pytest_args) for name in batch}
-        statuses.update({name: proc.wait() for name, proc in running.items()})
+    while waiting or running:
+        while waiting and len(running) < args.jobs:
+            name = waiting.pop(0)
+            running[name] = _start(name, logs, pytest_args)
+        time.sleep(1)
+        for name in [n for n, proc in running.items() if proc.poll() is not None]:
+            statuses[name] = running.pop(name).returncode
+            print(
+                f"{name}: exit {statuses[name]} at {time.monotonic() - started:.0f} s"
+            )
     for name, status in statuses.items():
         lines = (logs / f"{name}.log").read_text(errors="replace").splitlines()
         print(f"===== {name}: exit {status} (last {TAIL} lines of {logs / name}.log)")
@@ -62,8 +74,9 @@ def main(argv: list[str]) -> int:
 def _start(name: str, logs: Path, pytest_args: list[str]) -> subprocess.Popen:
     files = [str(HERE / file) for file in GROUPS[name]]
     command = [sys.executable, "-m", "pytest", *files, *pytest_args]
+    env = dict(os.environ, **{STACKS: str(logs / f"{name}.stacks")})
     with open(logs / f"{name}.log", "w") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 if __name__ == "__main__":
