@@ -104,22 +104,27 @@ def close_generator(generator: Any) -> None:
     close(generator)
 
 
-def shutdown_half_built(error: BaseException) -> bool:
-    """Shut down the workers of a generator whose constructor raised.
-
-    speculators starts its executor before it sets up the capture; when that
-    set-up fails, the half-built generator is held by the traceback and its
-    worker keeps polling. Returns whether one was found.
-    """
+def half_built(error: BaseException) -> Any:
+    """The generator whose constructor raised ``error``, from its traceback;
+    None if there is none."""
     frame_tb = error.__traceback__
     while frame_tb is not None:
         candidate = frame_tb.tb_frame.f_locals.get("self")
-        executor = getattr(candidate, "executor", None)
-        if type(candidate).__name__ == "VllmHiddenStatesGenerator" and executor:
-            executor.shutdown()
-            return True
+        if type(candidate).__name__ == "VllmHiddenStatesGenerator":
+            return candidate
         frame_tb = frame_tb.tb_next
-    return False
+    return None
+
+
+def shutdown_half_built(error: BaseException) -> bool:
+    """Shut down the workers of a generator whose constructor raised, if
+    anything left them running (``close-at-exit`` closes them before the
+    error goes on). Returns whether there were any."""
+    generator = half_built(error)
+    executor = None if generator is None else vars(generator).get("executor")
+    if executor is not None:
+        executor.shutdown()
+    return executor is not None
 
 
 # Defects of vLLM's own CPU backend, reproduced with vLLM's ``LLM`` engine and

@@ -730,3 +730,64 @@ def test_closing_at_exit_drops_log_lines_whose_stream_is_closed(capsys):
     assert stopped == [True] and "executor" not in vars(generator)
     assert "Logging error" not in capsys.readouterr().err
     assert logging.raiseExceptions is raising
+
+
+def _half_built_generator(context, shutdown_error=None):
+    """A generator class whose constructor starts an executor, then refuses
+    (as speculators' does when a worker refuses the set-up). Its queue holds
+    a connected in-process PAIR, as vLLM's spin condition does (0.24+)."""
+    import zmq
+
+    class Queue:
+        def __init__(self):
+            self.read_cancel_socket = context.socket(zmq.PAIR)
+            self.read_cancel_socket.bind("inproc://specshim-test-cancel")
+            self.write_cancel_socket = context.socket(zmq.PAIR)
+            self.write_cancel_socket.connect("inproc://specshim-test-cancel")
+
+    class Executor:
+        stopped = 0
+
+        def __init__(self):
+            self.rpc_broadcast_mq = Queue()
+
+        def shutdown(self):
+            Executor.stopped += 1
+            self.rpc_broadcast_mq.write_cancel_socket.send(b"cancel")
+            if shutdown_error:
+                raise shutdown_error
+
+    class Generator:
+        def __init__(self):
+            self.executor = Executor()
+            raise ValueError("run the model in bfloat16")
+
+    return Generator, Executor
+
+
+@pytest.mark.parametrize("shutdown_error", [None, RuntimeError("worker gone")])
+def test_a_constructor_that_raises_is_closed_before_its_error_goes_on(shutdown_error):
+    """A refusal at set-up used to leave the workers polling and the queue
+    sockets open: their context's termination (its garbage collection) then
+    waited forever; a pytest run on vLLM 0.24.0's CUDA build hung in its
+    summary. The caller sees the constructor's error, also when closing
+    fails, and the context ends at once."""
+    import threading
+
+    import zmq
+
+    from specshim.patches.main import close_at_exit
+
+    context = zmq.Context()
+    generator_class, executor_class = _half_built_generator(context, shutdown_error)
+    wrapped = close_at_exit._build(generator_class.__init__)
+    generator = generator_class.__new__(generator_class)
+    with pytest.raises(ValueError, match="bfloat16"):
+        wrapped(generator)
+    assert executor_class.stopped == 1
+    assert "executor" not in vars(generator)
+    assert generator not in close_at_exit._OPEN
+    ended = threading.Thread(target=context.term, daemon=True)
+    ended.start()
+    ended.join(timeout=20)
+    assert not ended.is_alive(), "the queue's zmq context did not terminate"

@@ -8,21 +8,29 @@ Why:
     exit hook terminates them, vLLM's worker monitor logs "Worker proc
     VllmWorker-0 died unexpectedly", and ``__del__`` runs only after module
     globals are cleared, printing "Exception ignored in ... __del__"
-    ('NoneType' object has no attribute 'warning'). And from vLLM 0.29 a
-    message queue holds an in-process PAIR socket whose linger is infinite:
-    once the queue was shut down (vLLM does it after a worker error), the
+    ('NoneType' object has no attribute 'warning'). And from vLLM 0.24 (0.16
+    has none) a message queue holds an in-process PAIR socket whose linger
+    is infinite: once the queue was shut down (vLLM does it after a worker error), the
     garbage collection of its zmq context waits for that socket forever, and
     a test run does not exit after its summary.
+
+    A constructor that raises after it started the executor (a refusal at
+    set-up: float16 DeepSeek, compiled mode) leaves the same behind: workers
+    polling, and queues whose context's collection waits forever once
+    anything shut them down (seen on vLLM 0.24.0's CUDA build: a pytest run
+    hung in the garbage collection pytest's summary happened to start).
 
     This patch records every generator built, sets the linger of its
     executor's queue sockets to zero (nothing is left to deliver once a queue
     is being torn down), and registers an exit hook that runs before
     multiprocessing's: it shuts each open generator's executor down, closes
     the sockets and removes the executor, so speculators' ``__del__`` has
-    nothing left to do. ``close(generator)`` does the same at any time.
+    nothing left to do. ``close(generator)`` does the same at any time, and a
+    constructor that raises is closed that way before its error goes on.
 Upstream change:
     None by itself: speculators 0.3.0 closes its executor only in ``__del__``;
-    vLLM 0.29 added the queues' cancel sockets (``shm_broadcast.py``).
+    vLLM added the queues' cancel sockets between 0.16 and 0.24
+    (``shm_broadcast.py``'s ``SpinCondition``).
 Upstream PR:
     none: not an upstream change.
 Remove when:
@@ -61,7 +69,7 @@ def close(generator: Any) -> None:
 
 
 def _queues(executor: Any) -> list[Any]:
-    """The executor's message queues and their spin conditions (vLLM 0.29+)."""
+    """The executor's message queues and their spin conditions (0.24+)."""
     queues = [
         getattr(executor, "rpc_broadcast_mq", None),
         *(getattr(executor, "response_mqs", None) or ()),
@@ -105,10 +113,23 @@ def _close_open() -> None:
         logging.raiseExceptions = raising
 
 
+def _close_half_built(generator: Any) -> None:
+    """Close what a constructor that raised had started; its error, not one
+    met while closing, is what the caller sees."""
+    try:
+        close(generator)
+    except Exception as exc:  # noqa: BLE001 - the constructor's error goes on
+        logger.debug("specshim: closing a half-built generator: %r", exc)
+
+
 def _build(original: Any) -> Any:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-        original(self, *args, **kwargs)
+        try:
+            original(self, *args, **kwargs)
+        except BaseException:
+            _close_half_built(self)
+            raise
         executor = vars(self).get("executor")
         if executor is None:
             return
