@@ -4,6 +4,7 @@ both references, ``specshim check``, and the capture contract's refusals."""
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ..e2e.conftest import LAYERS, make_generator, shutdown_half_built
+from ..e2e.conftest import LAYERS, half_built, make_generator
 from ..e2e.test_extract import _command, _run_ok
 from ..e2e.test_verify_references import (
     _assert_flags_exactly_the_tampered,
@@ -100,7 +101,7 @@ def test_float16_deepseek_is_refused(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(Exception, match="run the model in bfloat16") as refused:
         make_generator(str(path), 1)
-    shutdown_half_built(refused.value)
+    _assert_closed(refused.value)
 
 
 def test_compiled_graph_mode_is_refused(tiny_model_dir, monkeypatch):
@@ -116,4 +117,14 @@ def test_compiled_graph_mode_is_refused(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(module, "ModelConfig", compiled)
     with pytest.raises(Exception, match="eager execution") as refused:
         make_generator(str(tiny_model_dir("llama")), 1)
-    shutdown_half_built(refused.value)
+    _assert_closed(refused.value)
+
+
+def _assert_closed(error: BaseException) -> None:
+    """specshim shut down what the refused constructor had started, and its
+    queues' contexts can be collected (on vLLM 0.24.0 a collection inside
+    pytest's summary once waited on them forever)."""
+    generator = half_built(error)
+    assert generator is None or "executor" not in vars(generator)
+    del generator
+    gc.collect()
