@@ -8,9 +8,11 @@ from __future__ import annotations
 __all__ = [
     "GENERATOR",
     "HOOKED_MODULES",
+    "INTERRUPTED",
     "PACKAGES",
     "TRANSFORMERS_CONFIG",
     "WORKER",
+    "InterruptedRunError",
     "SpecShimError",
     "SpecShimWarning",
     "UsageError",
@@ -27,6 +29,17 @@ class UsageError(SpecShimError):
 
     The command line exits with 2 for these and with 1 for other failures.
     """
+
+
+class InterruptedRunError(SpecShimError):
+    """The user stopped the command (Ctrl-C) and it stopped cleanly.
+
+    The command line exits with ``INTERRUPTED``, what a shell reports for a
+    command that SIGINT ended.
+    """
+
+
+INTERRUPTED = 130
 
 
 class SpecShimWarning(UserWarning):

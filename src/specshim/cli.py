@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from specshim._base import SpecShimError, UsageError
+from specshim._base import INTERRUPTED, InterruptedRunError, SpecShimError, UsageError
 from specshim._settings import KNOBS
 
 
@@ -327,6 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
     return _build(handlers, defaults)
 
 
+def _interrupted(command: str) -> str:
+    """One line for a Ctrl-C: a run's files are written whole or not at all
+    (extract drains its writer first), so a rerun resumes."""
+    if command == "extract":
+        return (
+            "interrupted: every file written is whole; rerun the same command to resume"
+        )
+    return "interrupted"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -339,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"specshim {args.name}: error: {exc}", file=sys.stderr)
         return 2
+    except InterruptedRunError as exc:
+        print(f"specshim {args.name}: {exc}", file=sys.stderr)
+        return INTERRUPTED
+    except KeyboardInterrupt:
+        print(f"specshim {args.name}: {_interrupted(args.name)}", file=sys.stderr)
+        return INTERRUPTED
     except SpecShimError as exc:
         print(f"specshim {args.name}: error: {exc}", file=sys.stderr)
         return 1

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from specshim._base import SpecShimError, UsageError
+from specshim._base import InterruptedRunError, SpecShimError, UsageError
 from specshim.job import store as _store
 from specshim.job.manifest import Entry, parse_line
 
@@ -175,7 +175,8 @@ def _start(slot: Slot, argv: list[str], out: Path) -> _Child:
     if slot.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpus)
     command = [sys.executable, "-m", "specshim", *argv, "--shard", slot.name]
-    log = slot.log(out).open("wb")
+    # Appended to: a rerun keeps the log an earlier failure message named.
+    log = slot.log(out).open("ab")
     log.write(f"# {_header(slot, command)}\n".encode())
     log.flush()
     # Its own session: a Ctrl-C at the terminal reaches this process only,
@@ -325,7 +326,7 @@ class _Watch:
                 "file written is whole: rerun the same command to resume"
             )
         if self.interrupts:
-            raise SpecShimError(
+            raise InterruptedRunError(
                 "interrupted: every shard was stopped; every file written is whole: "
                 "rerun the same command to resume"
             )
