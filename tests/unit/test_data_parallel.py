@@ -188,3 +188,13 @@ def test_a_shard_log_begins_with_the_gpus_it_was_given(tmp_path):
     assert first[0].startswith("# CUDA_VISIBLE_DEVICES=2,3 ")
     assert first[0].endswith("--help --shard 1/2")
     assert first[1].startswith("# ") and "CUDA_VISIBLE_DEVICES" not in first[1]
+    # A rerun appends: the log a failure message named is still there.
+    child = parallel._start(slots[0], [*argv, "--help"], tmp_path)
+    child.process.wait(timeout=120)
+    child.log.close()
+    headers = [
+        line
+        for line in slots[0].log(tmp_path).read_text().splitlines()
+        if line.startswith("# CUDA_VISIBLE_DEVICES=2,3 ")
+    ]
+    assert len(headers) == 2
