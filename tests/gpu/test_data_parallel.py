@@ -6,21 +6,14 @@ from __future__ import annotations
 
 from specshim.job.parallel import visible_gpus
 
-from ..e2e.test_extract import _command, _dataset, _run_ok
-from ..e2e.test_extract_parallel import ALONE, _assert_identical
+from ..e2e.test_extract_parallel import same_as_one_run
 
 
 def test_data_parallel_one_writes_what_a_plain_run_writes(tmp_path, tiny_model_dir):
     """One shard on the one GPU: the child sees CUDA_VISIBLE_DEVICES=<that
     GPU> and ``--shard 0/1``; its files, manifest and data_config.json must be
     bit-identical to a plain run's (each sample generated alone in both)."""
-    model = tiny_model_dir("llama")
-    data = _dataset(tmp_path / "d.jsonl", 8, 5, 60, seed=7)
-    plain, one = tmp_path / "plain", tmp_path / "one"
-    _run_ok(_command(model, data, plain, *ALONE), timeout=600)
-    run = _run_ok(_command(model, data, one, *ALONE, "--data-parallel", "1"))
-    assert "wrote 8 samples (0 already there)" in run.stdout, run.stdout
-    _assert_identical(plain, one)
+    _, one = same_as_one_run(tmp_path, tiny_model_dir("llama"), 1)
     header = (one / ".specshim" / "shard-0-of-1.log").read_text().splitlines()[0]
     first = visible_gpus()[0]  # what a shard of one on a host of one is given
     assert header.startswith(f"# CUDA_VISIBLE_DEVICES={first} "), header
