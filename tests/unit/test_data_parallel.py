@@ -176,18 +176,20 @@ def test_progress_counts_only_entries_as_a_run_writes_them():
 
 def test_a_shard_log_begins_with_the_gpus_it_was_given(tmp_path):
     """The log's first line is the child's command as a shell would run it:
-    which GPUs a shard ran on is in its log, and on CPU no GPU is named."""
+    which GPUs a shard ran on is in its log; on CPU, no GPU but its share of
+    the host's memory."""
     (tmp_path / ".specshim").mkdir()
     slots = [Slot((1, 2), ("2", "3")), Slot((0, 2), None)]
     argv = ["extract", "--model", "m", "--out", str(tmp_path)]
     for slot in slots:
-        child = parallel._start(slot, [*argv, "--help"], tmp_path)
+        child = parallel._start(slot, [*argv, "--help"], tmp_path, runs=2)
         child.process.wait(timeout=120)
         child.log.close()
     first = [slot.log(tmp_path).read_text().splitlines()[0] for slot in slots]
     assert first[0].startswith("# CUDA_VISIBLE_DEVICES=2,3 ")
     assert first[0].endswith("--help --shard 1/2")
-    assert first[1].startswith("# ") and "CUDA_VISIBLE_DEVICES" not in first[1]
+    assert first[1].startswith("# SPECSHIM_CPU_KV_SHARE=2 ")
+    assert "CUDA_VISIBLE_DEVICES" not in first[1]
     # A rerun appends: the log a failure message named is still there.
     child = parallel._start(slots[0], [*argv, "--help"], tmp_path)
     child.process.wait(timeout=120)
@@ -198,3 +200,23 @@ def test_a_shard_log_begins_with_the_gpus_it_was_given(tmp_path):
         if line.startswith("# CUDA_VISIBLE_DEVICES=2,3 ")
     ]
     assert len(headers) == 2
+
+
+def test_cpu_runs_of_one_command_share_the_kv_cache_cap(monkeypatch):
+    """N runs on one CPU host start at once and each sees the same free
+    memory: each may take 1/N of the half one run may take (N runs each
+    taking half over-committed the host)."""
+    from specshim.job import kv_cache
+
+    gib = 1 << 30
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(kv_cache, "available_memory", lambda: 64 * gib)
+    monkeypatch.delenv(kv_cache.SHARE, raising=False)
+    assert kv_cache.cpu_kv_space(None, 100 * gib) == (32, "the job's need")
+    monkeypatch.setenv(kv_cache.SHARE, "4")
+    assert kv_cache.cpu_kv_space(None, 100 * gib) == (
+        8,
+        "the job's need, capped at 1/4 of half",
+    )
+    assert kv_cache.cpu_kv_space(None, 2 * gib)[0] == 2  # under the cap
+    assert kv_cache.cpu_kv_space(20, 100 * gib) == (20, "--cpu-kv-space-gib")

@@ -11,6 +11,10 @@ from specshim._base import UsageError
 from specshim.patches._util import scoped_environ
 
 VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
+# Set by ``extract --data-parallel N`` in each of its N runs on a CPU host:
+# they start at once, each sees the same free memory, so each may take only
+# its share of the half a run may take.
+SHARE = "SPECSHIM_CPU_KV_SHARE"
 
 
 def kv_need(
@@ -33,8 +37,9 @@ def kv_need(
 def cpu_kv_space(flag_gib: int | None, need: float | None) -> tuple[int, str]:
     """vLLM's CPU KV-cache space for this job, in GiB, and where it came from:
     ``--cpu-kv-space-gib``, else the variable, else the job's ``need`` (bytes,
-    ``kv_need``) capped at half of the memory available now. vLLM's own
-    default is most of the machine's free memory."""
+    ``kv_need``) capped at half of the memory available now, divided among
+    the runs of one ``--data-parallel`` command. vLLM's own default is most of
+    the machine's free memory."""
     if flag_gib is not None:
         return flag_gib, "--cpu-kv-space-gib"
     if os.environ.get(VARIABLE, "").strip():
@@ -45,8 +50,10 @@ def cpu_kv_space(flag_gib: int | None, need: float | None) -> tuple[int, str]:
             "is (layers, heads, head size); give --cpu-kv-space-gib"
         )
     gib = 1 << 30
-    available = available_memory() // 2
-    return max(1, min(-(-int(need) // gib), available // gib)), "the job's need"
+    share = max(1, int(os.environ.get(SHARE, "1") or 1))
+    available = available_memory() // 2 // share
+    source = "the job's need" + (f", capped at 1/{share} of half" if share > 1 else "")
+    return max(1, min(-(-int(need) // gib), available // gib)), source
 
 
 def available_memory() -> int:

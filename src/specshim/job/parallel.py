@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from specshim._base import InterruptedRunError, SpecShimError, UsageError
+from specshim.job import kv_cache
 from specshim.job import store as _store
 from specshim.job.manifest import Entry, parse_line
 
@@ -169,15 +170,18 @@ class _Child:
                 self.state = "running"
 
 
-def _start(slot: Slot, argv: list[str], out: Path) -> _Child:
-    """One child: ``specshim extract`` with ``argv`` and this slot's shard."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def _start(slot: Slot, argv: list[str], out: Path, runs: int = 1) -> _Child:
+    """One child: ``specshim extract`` with ``argv`` and this slot's shard,
+    one of ``runs`` on this host."""
     if slot.gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpus)
+        own = {"CUDA_VISIBLE_DEVICES": ",".join(slot.gpus)}
+    else:  # the runs share the host's memory for their KV caches
+        own = {kv_cache.SHARE: str(runs)}
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **own)
     command = [sys.executable, "-m", "specshim", *argv, "--shard", slot.name]
     # Appended to: a rerun keeps the log an earlier failure message named.
     log = slot.log(out).open("ab")
-    log.write(f"# {_header(slot, command)}\n".encode())
+    log.write(f"# {_header(own, command)}\n".encode())
     log.flush()
     # Its own session: a Ctrl-C at the terminal reaches this process only,
     # which passes it on (``_signal``) to the child's whole process group.
@@ -192,10 +196,10 @@ def _start(slot: Slot, argv: list[str], out: Path) -> _Child:
     return _Child(slot, process, log, time.time())
 
 
-def _header(slot: Slot, command: list[str]) -> str:
-    """The child's command as a shell would run it, its GPUs first."""
-    gpus = "" if slot.gpus is None else f"CUDA_VISIBLE_DEVICES={','.join(slot.gpus)} "
-    return gpus + " ".join(command)
+def _header(own: dict[str, str], command: list[str]) -> str:
+    """The child's command as a shell would run it, its own variables first
+    (its GPUs, or its share of a CPU host's memory)."""
+    return " ".join([*(f"{k}={v}" for k, v in own.items()), *command])
 
 
 def _signal(child: _Child, signum: int) -> None:
@@ -234,7 +238,7 @@ def run_parallel(
     threading.Thread(target=total.count, args=(out, data, dataset), daemon=True).start()
     children: list[_Child] = []
     try:
-        children += [_start(slot, argv, out) for slot in slots]
+        children += [_start(slot, argv, out, len(slots)) for slot in slots]
         watch = _Watch(children, out, total)
         watch.run()
     finally:
