@@ -1,6 +1,7 @@
 """Every way into specshim, on a GPU: the vLLM plugin and ``specshim run`` (a
-script that never imports specshim), ``specshim extract`` then ``verify`` with
-both references, ``specshim check``, and the capture contract's refusals."""
+script that never imports specshim), ``specshim extract`` (plain and
+``--data-parallel 1``) then ``verify`` with both references, ``specshim
+check``, and the capture contract's refusals."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from specshim.job.parallel import visible_gpus
+
 from ..e2e.conftest import LAYERS, half_built, make_generator
 from ..e2e.test_extract import _command, _run_ok
+from ..e2e.test_extract_parallel import _assert_identical
 from ..e2e.test_verify_references import (
     _assert_flags_exactly_the_tampered,
     _dataset,
@@ -74,8 +78,18 @@ def test_a_script_that_never_imports_specshim(route, tmp_path, tiny_model_dir):
 
 
 def test_extract_then_verify_with_hf_and_solo(tmp_path, tiny_model_dir):
-    model, out = tiny_model_dir("llama"), tmp_path / "out"
-    _run_ok(_command(model, _dataset(tmp_path / "d.jsonl"), out))
+    """extract, then ``extract --data-parallel 1``: one shard on the one GPU
+    (CUDA_VISIBLE_DEVICES=<that GPU>, ``--shard 0/1``), the same batches,
+    so its files, manifest and data_config.json must be bit-identical; then
+    ``verify`` with both references, clean and after tampering."""
+    model, data = tiny_model_dir("llama"), _dataset(tmp_path / "d.jsonl")
+    out, one = tmp_path / "out", tmp_path / "one"
+    _run_ok(_command(model, data, out))
+    _run_ok(_command(model, data, one, "--data-parallel", "1"))
+    _assert_identical(out, one)
+    header = (one / ".specshim" / "shard-0-of-1.log").read_text().splitlines()[0]
+    first = visible_gpus()[0]  # what a shard of one on a host of one is given
+    assert header.startswith(f"# CUDA_VISIBLE_DEVICES={first} "), header
     clean = _verify(model, out, "hf")
     assert clean.returncode == 0, clean.stdout + clean.stderr[-2000:]
     _tamper(out)
