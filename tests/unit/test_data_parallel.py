@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from specshim._base import UsageError
 from specshim.cli import _extract_argv, build_parser, main
 from specshim.job import parallel
 from specshim.job.parallel import Slot, plan_slots, visible_gpus
@@ -216,7 +217,11 @@ def test_cpu_runs_of_one_command_share_the_kv_cache_cap(monkeypatch):
     monkeypatch.setenv(kv_cache.SHARE, "4")
     assert kv_cache.cpu_kv_space(None, 100 * gib) == (
         8,
-        "the job's need, capped at 1/4 of half",
+        "the job's need, at most half the available memory over 4 runs",
     )
     assert kv_cache.cpu_kv_space(None, 2 * gib)[0] == 2  # under the cap
     assert kv_cache.cpu_kv_space(20, 100 * gib) == (20, "--cpu-kv-space-gib")
+    for bad in ("two", "0", "-1"):
+        monkeypatch.setenv(kv_cache.SHARE, bad)
+        with pytest.raises(UsageError, match=f"SPECSHIM_CPU_KV_SHARE={bad}: give"):
+            kv_cache.cpu_kv_space(None, 2 * gib)

@@ -50,10 +50,20 @@ def cpu_kv_space(flag_gib: int | None, need: float | None) -> tuple[int, str]:
             "is (layers, heads, head size); give --cpu-kv-space-gib"
         )
     gib = 1 << 30
-    share = max(1, int(os.environ.get(SHARE, "1") or 1))
+    share = _share()
     available = available_memory() // 2 // share
-    source = "the job's need" + (f", capped at 1/{share} of half" if share > 1 else "")
+    source = "the job's need"
+    if share > 1:
+        source += f", at most half the available memory over {share} runs"
     return max(1, min(-(-int(need) // gib), available // gib)), source
+
+
+def _share() -> int:
+    """How many runs share this host's memory (``SPECSHIM_CPU_KV_SHARE``)."""
+    value = os.environ.get(SHARE, "").strip() or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"{SHARE}={value}: give the number of runs, 1 or more")
+    return int(value)
 
 
 def available_memory() -> int:
