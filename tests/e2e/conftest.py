@@ -116,17 +116,6 @@ def half_built(error: BaseException) -> Any:
     return None
 
 
-def shutdown_half_built(error: BaseException) -> bool:
-    """Shut down the workers of a generator whose constructor raised, if
-    anything left them running (``close-at-exit`` closes them before the
-    error goes on). Returns whether there were any."""
-    generator = half_built(error)
-    executor = None if generator is None else vars(generator).get("executor")
-    if executor is not None:
-        executor.shutdown()
-    return executor is not None
-
-
 # Defects of vLLM's own CPU backend, reproduced with vLLM's ``LLM`` engine and
 # specshim disabled (``SPECSHIM_DISABLE=all``, no speculators): they are not
 # speculators' or specshim's, and only the version matrix meets them.

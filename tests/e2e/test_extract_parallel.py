@@ -68,24 +68,14 @@ def _status(out: Path, data: Path) -> subprocess.CompletedProcess:
     )
 
 
-def same_as_one_run(tmp_path: Path, model: Path, shards: int) -> tuple[Path, Path]:
-    """Eight samples extracted by one run and by ``--data-parallel shards``,
-    each sample alone: the files must be identical. Returns the data and the
-    latter's output directory."""
-    data = _dataset(tmp_path / "d.jsonl", 8, 5, 60, seed=7)
-    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
-    _run_ok(_command(model, data, whole, *ALONE), timeout=600)
-    run = _run_ok(
-        _command(model, data, sharded, *ALONE, "--data-parallel", str(shards))
-    )
-    assert "wrote 8 samples (0 already there)" in run.stdout, run.stdout
-    _assert_identical(whole, sharded)
-    return data, sharded
-
-
 def test_two_shards_write_what_one_run_writes(tmp_path, tiny_model_dir):
     model = tiny_model_dir("llama")
-    data, both = same_as_one_run(tmp_path, model, 2)
+    data = _dataset(tmp_path / "d.jsonl", 8, 5, 60, seed=7)
+    whole, both = tmp_path / "whole", tmp_path / "both"
+    _run_ok(_command(model, data, whole, *ALONE), timeout=600)
+    run = _run_ok(_command(model, data, both, *ALONE, "--data-parallel", "2"))
+    assert "wrote 8 samples (0 already there)" in run.stdout, run.stdout
+    _assert_identical(whole, both)
     for index in range(2):
         log = both / ".specshim" / f"shard-{index}-of-2.log"
         assert f"--shard {index}/2" in log.read_text().splitlines()[0]
