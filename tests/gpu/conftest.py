@@ -25,6 +25,7 @@ import pytest
 from specshim.patches._util import scoped_environ
 
 from ..e2e.conftest import HF_REFERENCE, SHIPS_CODE, close_generator, make_generator
+from .tier import STACKS
 
 # Variables that would hide what the patches are for; the tier refuses to run
 # under any of them.
@@ -82,7 +83,7 @@ def pytest_sessionfinish(session: Any) -> None:
     """The tier's run must end within 30 s of its tests: if it is still alive
     45 s after them, write every thread's stack (again every 45 s) to the file
     tests/gpu/tier.py names, so a process that does not exit says where."""
-    path = os.environ.get("SPECSHIM_GPU_TIER_STACKS")
+    path = os.environ.get(STACKS)
     if path:
         _STACKS.append(open(path, "w"))  # noqa: SIM115 - must outlive this hook
         faulthandler.dump_traceback_later(45, repeat=True, file=_STACKS[-1])
