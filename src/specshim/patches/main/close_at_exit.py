@@ -10,9 +10,9 @@ Why:
     globals are cleared, printing "Exception ignored in ... __del__"
     ('NoneType' object has no attribute 'warning'). And from vLLM 0.24 (0.16
     has none) a message queue holds an in-process PAIR socket whose linger
-    is infinite: once the queue was shut down (vLLM does it after a worker error), the
-    garbage collection of its zmq context waits for that socket forever, and
-    a test run does not exit after its summary.
+    is infinite: once the queue was shut down (vLLM does it after a worker
+    error), the garbage collection of its zmq context waits for that socket
+    forever, and a test run does not exit after its summary.
 
     A constructor that raises after it started the executor (a refusal at
     set-up: float16 DeepSeek, compiled mode) leaves the same behind: workers
