@@ -612,7 +612,10 @@ def test_cpu_mla_runs_only_where_vllm_can_prefill_this_width(tmp_path, monkeypat
     assert cpu_mla_disable.cpu_mla_runs(tmp_path / "missing")[0] is False
 
     # Decided again for each generator; a value the user set is left alone.
-    monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
+    # setenv first: monkeypatch records the value before the test (delenv of
+    # an unset name records nothing), so what _before sets is undone after it.
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "")
+    monkeypatch.delenv("VLLM_MLA_DISABLE")
     monkeypatch.setattr(cpu_mla_disable, "_ours", [])
     cpu_mla_disable._before((None,), {"model_path": str(wide)})
     assert os.environ["VLLM_MLA_DISABLE"] == "0"
