@@ -63,6 +63,9 @@ def main(argv: list[str]) -> int:
             print(
                 f"{name}: exit {statuses[name]} at {time.monotonic() - started:.0f} s"
             )
+            stacks = logs / f"{name}.stacks"
+            if stacks.exists() and not stacks.stat().st_size:
+                stacks.unlink()  # the run ended in time: no dump, no file
     for name, status in statuses.items():
         lines = (logs / f"{name}.log").read_text(errors="replace").splitlines()
         print(f"===== {name}: exit {status} (last {TAIL} lines of {logs / name}.log)")
