@@ -17,7 +17,7 @@ install)
   PYTHONPATH= python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/b/deps/*.whl "${2:-.gpu-spec}"/*.whl 2>&1 | grep -v "already exists" || true
   echo "installed: $(du -sh /tmp/site | cut -f1)"
   vars
-  python3 -c "import specshim, torch, transformers, vllm, speculators; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'speculators', speculators.__version__)" 2>&1 | tail -1 ;;
+  python3 -c "import specshim, torch, transformers, vllm, speculators; from importlib.metadata import version; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'speculators', version('speculators'))" 2>&1 | tail -1 ;;
 spec) PYTHONPATH= python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "${2:-.gpu-spec}"/*.whl 2>&1 | grep -v "already exists" || true ;;
 vars) vars ;;
 *) echo "usage: device.sh recv PATH | reset | install [SPEC_DIR] | spec [SPEC_DIR] | vars (sourced)"; exit 2 ;;
