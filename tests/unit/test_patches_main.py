@@ -794,3 +794,45 @@ def test_a_constructor_that_raises_is_closed_before_its_error_goes_on(shutdown_e
     ended.start()
     ended.join(timeout=20)
     assert not ended.is_alive(), "the queue's zmq context did not terminate"
+
+
+@pytest.mark.parametrize("user_set", [False, True])
+def test_closing_waits_for_slow_workers_before_vllms_grace_period(
+    monkeypatch, user_set
+):
+    """vLLM's 5 s grace period then SIGTERM printed a warning at a script's
+    exit when a CPU worker was slow to leave (seen on vLLM 0.32.0, 2 cores):
+    close() waits for the signalled workers first, unless the user set vLLM's
+    own timeout."""
+    from specshim.patches.main import close_at_exit
+
+    if user_set:
+        monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "5")
+    else:
+        monkeypatch.delenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", raising=False)
+    monkeypatch.setattr(close_at_exit, "GRACE_S", 5.0)
+
+    class Proc:
+        polls = 0
+
+        def is_alive(self):
+            Proc.polls += 1
+            return Proc.polls < 4  # leaves on the fourth look
+
+    seen = []
+
+    class Executor:
+        @staticmethod
+        def _ensure_worker_termination(procs):  # vLLM's: warns if alive
+            seen.append([p.is_alive() for p in procs])
+
+        def shutdown(self):
+            self._ensure_worker_termination([Proc()])
+
+    class Generator:
+        pass
+
+    generator = Generator()
+    generator.executor = Executor()
+    close_at_exit.close(generator)
+    assert seen == ([[True]] if user_set else [[False]])

@@ -42,6 +42,8 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
+import time
 import weakref
 from typing import Any
 
@@ -49,6 +51,7 @@ from specshim.patches._util import declare, require_callable
 
 logger = logging.getLogger(__name__)
 
+GRACE_S = 20.0  # the most close() waits for signalled workers itself
 _OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
 _HOOKED: list[bool] = []
 
@@ -61,11 +64,33 @@ def close(generator: Any) -> None:
     if executor is None:
         return
     owners = _queues(executor)  # read first: shutdown() drops the queues
+    _patient(executor)
     try:
         executor.shutdown()
     finally:
         for socket in _open_sockets(owners):
             socket.close(linger=0)
+
+
+def _patient(executor: Any) -> None:
+    """Give the workers up to ``GRACE_S`` to exit before vLLM's own wait.
+
+    vLLM waits ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (5 s, read once the
+    executor is built) for its signalled workers, then sends SIGTERM with a
+    warning: on a busy 2-core machine a CPU worker took longer, and a
+    script's exit printed "[shutdown] Executor: workers still running after
+    grace period" (seen on vLLM 0.32.0). A value the user set is theirs."""
+    ensure = getattr(executor, "_ensure_worker_termination", None)
+    if ensure is None or "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS" in os.environ:
+        return
+
+    def patient(procs: list[Any]) -> None:
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+            time.sleep(0.1)
+        ensure(procs)
+
+    executor._ensure_worker_termination = patient
 
 
 def _queues(executor: Any) -> list[Any]:
