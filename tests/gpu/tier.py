@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
             print(
                 f"{name}: exit {statuses[name]} at {time.monotonic() - started:.0f} s"
             )
-            stacks = logs / f"{name}.stacks"
+            stacks = _stacks(logs, name)
             if stacks.exists() and not stacks.stat().st_size:
                 stacks.unlink()  # the run ended in time: no dump, no file
     for name, status in statuses.items():
@@ -74,10 +74,15 @@ def main(argv: list[str]) -> int:
     return next((status for status in statuses.values() if status), 0)
 
 
+def _stacks(logs: Path, name: str) -> Path:
+    """Where a group's late stack dumps go (tests/gpu/conftest.py writes them)."""
+    return logs / f"{name}.stacks"
+
+
 def _start(name: str, logs: Path, pytest_args: list[str]) -> subprocess.Popen:
     files = [str(HERE / file) for file in GROUPS[name]]
     command = [sys.executable, "-m", "pytest", *files, *pytest_args]
-    env = dict(os.environ, **{STACKS: str(logs / f"{name}.stacks")})
+    env = dict(os.environ, **{STACKS: str(_stacks(logs, name))})
     with open(logs / f"{name}.log", "w") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
