@@ -27,6 +27,9 @@ Why:
     the sockets and removes the executor, so speculators' ``__del__`` has
     nothing left to do. ``close(generator)`` does the same at any time, and a
     constructor that raises is closed that way before its error goes on.
+    While closing, it waits up to ``GRACE_S`` for the signalled workers
+    before vLLM's own 5 s wait, whose SIGTERM comes with a warning (a slow
+    CPU worker on a busy machine printed it at a script's exit).
 Upstream change:
     None by itself: speculators 0.3.0 closes its executor only in ``__del__``;
     vLLM added the queues' cancel sockets between 0.16 and 0.24
