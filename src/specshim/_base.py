@@ -16,7 +16,9 @@ __all__ = [
     "SpecShimError",
     "SpecShimWarning",
     "UsageError",
+    "SHM_LIMIT",
     "pid_alive",
+    "shm_limit",
 ]
 
 
@@ -71,3 +73,25 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# The most shared memory the captured states' slabs may take (patches/worker/
+# _shared_states.py): read in every worker, checked in the main process first.
+SHM_LIMIT = "SPECSHIM_SHM_MIB"
+
+
+def shm_limit() -> int | None:
+    """``SPECSHIM_SHM_MIB`` in bytes: the most ``/dev/shm`` one worker's slabs
+    may take (0: none, every call's states travel through vLLM's queue);
+    None where it is not set (as much as ``/dev/shm`` holds)."""
+    import os
+
+    value = os.environ.get(SHM_LIMIT, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise UsageError(
+            f"{SHM_LIMIT}={value}: give the most MiB of /dev/shm the captured "
+            "states may take, a whole number (0: none)"
+        )
+    return int(value) << 20

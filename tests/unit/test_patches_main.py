@@ -836,3 +836,40 @@ def test_closing_waits_for_slow_workers_before_vllms_grace_period(
     generator.executor = Executor()
     close_at_exit.close(generator)
     assert seen == ([[True]] if user_set else [[False]])
+
+
+@pytest.mark.parametrize("how", ["closed", "collected"])
+def test_a_generator_closed_or_collected_unmaps_its_workers_slabs(monkeypatch, how):
+    """The main process kept every slab a closed generator's workers had
+    handed it mapped (8 calls' states) until it exited."""
+    import gc
+    import types
+
+    from specshim.patches.main import close_at_exit
+
+    forgotten = []
+    monkeypatch.setattr(close_at_exit, "forget", forgotten.append)
+
+    class Executor:
+        workers = [
+            types.SimpleNamespace(proc=types.SimpleNamespace(pid=p)) for p in (11, 12)
+        ]
+
+        def shutdown(self):
+            pass
+
+    class Generator:
+        def __init__(self):
+            self.executor = Executor()
+
+        def __del__(self):  # speculators' own: shuts the executor down
+            self.executor.shutdown()
+
+    generator = Generator.__new__(Generator)
+    close_at_exit._build(Generator.__init__)(generator)
+    if how == "closed":
+        close_at_exit.close(generator)
+        assert forgotten == [[11, 12]]
+    del generator
+    gc.collect()
+    assert forgotten[-1] == [11, 12]

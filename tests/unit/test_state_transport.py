@@ -137,6 +137,22 @@ def test_the_fallback_hands_its_rows_over_too_and_never_read_only_memory():
     assert frozen.tolist() == [0] * 8
 
 
+def test_the_fallback_never_hands_over_memory_the_queue_writes_again():
+    """Under its chunk size vLLM's queue unpickles the rows from a writable
+    slice of its shared-memory ring, which later messages overwrite: what the
+    caller got must not change with it."""
+    import numpy as np
+
+    ring = bytearray(64)
+    window = np.frombuffer(memoryview(ring)[8:16], dtype=np.uint8)
+    assert window.flags.writeable  # as dequeue hands it to pickle.loads
+    rows = _handed_states.received(window, (2, 2), "torch.bfloat16")
+    kept = rows[0:2].clone()
+    want = kept.clone()
+    ring[:] = b"\xff" * 64  # the worker writes the next messages there
+    assert torch.equal(kept, want) and torch.equal(rows, want)
+
+
 def _saved(tensor: torch.Tensor) -> bytes:
     import io
 
@@ -310,3 +326,84 @@ def test_no_threads_are_lent_where_the_workers_compute_on_the_cpu():
 
     assert current_platform.is_cpu()  # this tier runs vLLM's CPU build
     assert _threads.copy_threads() == 1
+
+
+def test_a_closed_generators_slabs_are_unmapped_unless_held():
+    import gc
+
+    worker = _Worker([_forward([[1, 2]])])
+    region = worker._specshim_region = HostRegion()
+    first = _received(
+        state_transport.send(worker, worker._captured_states, [(0, 0, 2)])
+    )
+    kept = first[0][0:2].clone()
+    want = kept.clone()
+    del first
+    gc.collect()
+    dropped = _received(
+        state_transport.send(worker, worker._captured_states, [(0, 0, 2)])
+    )
+    del dropped
+    gc.collect()
+    paths = [slab.path for slab in region.slabs]
+    assert len(paths) == 2 and all(p in _handed_states._ATTACHED for p in paths)
+    _handed_states.forget([os.getpid()])  # the workers' pid: here, this process
+    assert not set(paths) & set(_handed_states._ATTACHED)
+    region.close()
+    gc.collect()
+    assert _mapped(region.prefix) == 1  # the slab under the clone still held
+    assert torch.equal(kept, want)
+    del kept
+    gc.collect()
+    assert _mapped(region.prefix) == 0
+
+
+def _mapped(prefix: str) -> int:
+    """This process's mappings of files whose name starts with ``prefix``."""
+    with open("/proc/self/maps") as maps:
+        return sum(prefix in line for line in maps)
+
+
+def test_a_cap_on_shared_memory_sends_what_does_not_fit_the_other_way(
+    monkeypatch, caplog
+):
+    monkeypatch.setenv("SPECSHIM_SHM_MIB", "1")
+    worker = _Worker([_forward([list(range(10))])])
+    region = worker._specshim_region = HostRegion()
+    small = _received(
+        state_transport.send(worker, worker._captured_states, [(0, 0, 10)])
+    )
+    assert len(region.slabs) == 1
+    big = list(range(300_000))  # 2 layers x 300,000 rows x 4 bytes: over 1 MiB
+    worker._captured_states = _states([_forward([big])])
+    for _ in range(2):
+        rows = _received(
+            state_transport.send(worker, worker._captured_states, [(0, 0, 300_000)])
+        )
+        assert torch.equal(rows[1], worker._captured_states[1][0])
+    assert len(region.slabs) == 1 and region.failure is None
+    assert caplog.text.count("SPECSHIM_SHM_MIB=1 leaves no room") == 1
+    assert "copied twice more" in caplog.text
+    del small
+    region.close()
+
+
+def test_no_shared_memory_at_all_is_a_lasting_fallback(monkeypatch):
+    monkeypatch.setenv("SPECSHIM_SHM_MIB", "0")
+    worker = _Worker([_forward([[1, 2]])])
+    region = worker._specshim_region = HostRegion()
+    rows = _received(state_transport.send(worker, worker._captured_states, [(0, 0, 2)]))
+    assert torch.equal(rows[0], worker._captured_states[0][0])
+    assert region.slabs == [] and region.failure.startswith("SPECSHIM_SHM_MIB=0")
+
+
+@pytest.mark.parametrize("value", ["-1", "64M", "1.5"])
+def test_a_cap_that_is_no_whole_number_of_mib_is_refused_in_one_line(
+    monkeypatch, value
+):
+    from specshim._base import UsageError
+    from specshim._settings import require_valid_environment
+
+    monkeypatch.setenv("SPECSHIM_SHM_MIB", value)
+    with pytest.raises(UsageError, match=f"SPECSHIM_SHM_MIB={value}: give the most"):
+        require_valid_environment()

@@ -20,12 +20,20 @@ Why:
     anything shut them down (seen on vLLM 0.24.0's CUDA build: a pytest run
     hung in the garbage collection pytest's summary happened to start).
 
+    The states a generator's calls returned through shared memory stay
+    mapped in this process while its workers keep their slabs; a closed
+    generator's workers keep nothing, but nothing told this process so: 8
+    slabs, one call's states each, stayed mapped after ``close()`` until the
+    process exited.
+
     This patch records every generator built, sets the linger of its
     executor's queue sockets to zero (nothing is left to deliver once a queue
     is being torn down), and registers an exit hook that runs before
     multiprocessing's: it shuts each open generator's executor down, closes
-    the sockets and removes the executor, so speculators' ``__del__`` has
-    nothing left to do. ``close(generator)`` does the same at any time, and a
+    the sockets, removes the executor and unmaps the slabs nothing holds
+    (``_handed_states.forget``), so speculators' ``__del__`` has nothing left
+    to do; a generator collected unclosed has its slabs unmapped after
+    ``__del__``. ``close(generator)`` does the same at any time, and a
     constructor that raises is closed that way before its error goes on.
     While closing, it waits up to ``GRACE_S`` for the signalled workers
     before vLLM's own 5 s wait, whose SIGTERM comes with a warning (a slow
@@ -51,6 +59,7 @@ import weakref
 from typing import Any
 
 from specshim.patches._util import declare, require_callable
+from specshim.patches.worker._handed_states import forget
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +76,24 @@ def close(generator: Any) -> None:
     if executor is None:
         return
     owners = _queues(executor)  # read first: shutdown() drops the queues
+    pids = worker_pids(executor)
     _patient(executor)
     try:
         executor.shutdown()
     finally:
         for socket in _open_sockets(owners):
             socket.close(linger=0)
+        forget(pids)
+
+
+def worker_pids(executor: Any) -> list[int]:
+    """The process ids of the executor's workers (none known: an empty list)."""
+    pids = []
+    for handle in getattr(executor, "workers", None) or ():
+        pid = getattr(getattr(handle, "proc", None), "pid", None)
+        if isinstance(pid, int):
+            pids.append(pid)
+    return pids
 
 
 def _patient(executor: Any) -> None:
@@ -163,6 +184,9 @@ def _build(original: Any) -> Any:
             return
         _no_linger(executor)
         _OPEN.add(self)
+        # Collected without close(): speculators' __del__ shuts the workers
+        # down first, then their slabs are unmapped here.
+        weakref.finalize(self, forget, worker_pids(executor)).atexit = False
         if not _HOOKED:  # registered after vLLM imported multiprocessing:
             _HOOKED.append(True)  # exit hooks run last-registered first
             atexit.register(_close_open)

@@ -73,13 +73,18 @@ def attach(path: str, generation: int, layers: Any, retired: Any = ()) -> list[A
 
 
 def received(raw: Any, shape: Any, dtype: str) -> Any:
-    """Main process: the fallback's rows (a numpy array of bytes that vLLM's
-    queue received out of band, this process's alone) as a ``HandOver``; a
-    read-only buffer is copied first, so that what the caller gets is
-    writable as a clone is."""
-    if not raw.flags.writeable:
-        raw = raw.copy()
-    return _Lease(raw).layer(0, shape, dtype)
+    """Main process: the fallback's rows as a ``HandOver`` over a copy this
+    process owns.
+
+    ``raw`` is whatever vLLM's message queue handed ``pickle.loads`` for the
+    out-of-band buffer, and it is never the caller's to keep: a reply that
+    fits one chunk of the queue is read in place from the queue's
+    shared-memory ring (writable memory that the worker writes the next
+    messages into: rows handed out over it changed a few calls later), a
+    larger one arrives as zmq frames (read-only), and an older vLLM sends it
+    in band. Who owns the memory cannot be told from the buffer, so it is
+    always copied before anything is handed out."""
+    return _Lease(raw.copy()).layer(0, shape, dtype)
 
 
 def _map(path: str) -> Any:
@@ -97,12 +102,22 @@ def _map(path: str) -> Any:
         mapping = mmap.mmap(fd, 0)
     finally:
         os.close(fd)
-    for old in list(_ATTACHED):  # a process that builds generator after
-        if not pid_alive(_owner_pid(old)):  # generator would keep them all
-            del _ATTACHED[old]
+    forget(())  # workers that exited without their generator's close()
     _ATTACHED[path] = mapping
     unlink_quietly(path)
     return mapping
+
+
+def forget(pids: Any) -> None:
+    """Drop this process's mappings of the slabs of the workers ``pids``
+    (their generator was closed or collected: none of them is written again).
+    Tensors still held keep their own slab mapped until they go; the rest is
+    unmapped here, not whenever a later generator maps a slab."""
+    gone = set(pids)
+    for path in list(_ATTACHED):
+        owner = _owner_pid(path)
+        if owner in gone or not pid_alive(owner):
+            del _ATTACHED[path]
 
 
 def _owner_pid(path: str) -> int:

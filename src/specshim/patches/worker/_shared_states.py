@@ -37,19 +37,24 @@ Lifetime, the rule everything here relies on:
   unlinks whatever the main process never attached when it exits.
 
 Where no slab can be had (``/dev/shm`` missing or too small: a container's
-default is 64 MiB), the states travel as numpy arrays instead, which vLLM's
-message queue sends out of band; a warning names the cause once.
+default is 64 MiB; or ``SPECSHIM_SHM_MIB``, the most the slabs may take), the
+states travel as numpy arrays instead, which vLLM's message queue sends out
+of band, and the main process copies them into memory of its own before
+handing them over (``_handed_states.received``); a warning names the cause
+and the cost once per worker.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import mmap
 import os
 import secrets
 from typing import Any
 
+from specshim._base import SHM_LIMIT, shm_limit
 from specshim.patches.worker._slab import HEADER, read_word, unlink_quietly
 
 logger = logging.getLogger(__name__)
@@ -57,6 +62,17 @@ logger = logging.getLogger(__name__)
 MAX_SLABS = 8  # calls whose states the caller may hold before the fallback
 _GROW = 1.25  # headroom, so slowly rising batch sizes do not retire slabs often
 _DIRECTORY = "/dev/shm"
+_COST = (
+    "every byte of those states is copied twice more on the host (into vLLM's "
+    "queue and out of it), which slows generate() where its states are large"
+)
+
+
+def slab_size(nbytes: int) -> int:
+    """The bytes of a new slab for a call whose states take ``nbytes``: its
+    header and the call's rows, with headroom, in whole pages."""
+    size = HEADER + int(nbytes * _GROW) + 1
+    return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 class SharedStates:
@@ -80,7 +96,8 @@ class SharedStates:
 
 class OwnedRows:
     """The fallback: rows as a numpy array of bytes (sent out of band by
-    vLLM's message queue), handed over in the main process like a slab's."""
+    vLLM's message queue), copied into the main process's own memory and
+    handed over from there like a slab's."""
 
     def __init__(self, rows: Any) -> None:
         self.rows = rows.contiguous()
@@ -172,7 +189,8 @@ class HostRegion:
         self.generation = 0
         self.pin_failed = False
         self.failure: str | None = None  # why the fallback is in use for good
-        self.warned_full = False
+        self.limit = shm_limit()  # bytes the slabs may take (None: no cap)
+        self.warned: set[str] = set()  # the causes already logged
         atexit.register(self.close)
 
     def reserve(self, nbytes: int, pin: bool) -> Slab | None:
@@ -190,7 +208,7 @@ class HostRegion:
             elif len(self.slabs) >= MAX_SLABS:
                 self._full()
                 return None
-            slab = self._grow(HEADER + int(nbytes * _GROW) + 1)
+            slab = self._grow(slab_size(nbytes))
             if slab is None:
                 return None
         if pin and not (slab.pinned or self.pin_failed):
@@ -208,23 +226,43 @@ class HostRegion:
         return retired
 
     def _grow(self, size: int) -> Slab | None:
-        size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        taken = sum(slab.base.numel() for slab in self.slabs)
+        if self.limit is not None and taken + size > self.limit:
+            return self._refused(
+                "limit",
+                f"{SHM_LIMIT}={self.limit >> 20} leaves no room for a slab of "
+                f"{size / 2**20:.0f} MiB of captured states",
+                lasting=self.limit == 0,
+            )
         path = os.path.join(self.directory, f"{self.prefix}-{secrets.token_hex(4)}")
         try:
             slab = Slab(path, size)
         except OSError as exc:
-            reason = (
+            return self._refused(
+                "space",
                 f"{self.directory} could not hold {size / 2**20:.0f} MiB of "
-                f"captured states ({exc.strerror or exc}); they travel through "
-                "vLLM's message queue instead, more slowly. A container needs "
-                "a larger /dev/shm (docker run --shm-size)"
+                f"captured states ({exc.strerror or exc}); a container needs a "
+                "larger /dev/shm (docker run --shm-size=16g, or --ipc=host)",
+                lasting=not self.slabs and exc.errno != errno.ENOSPC,
             )
-            if not self.slabs:
-                self.failure = reason
-            logger.warning("specshim: %s", reason)
-            return None
         self.slabs.append(slab)
         return slab
+
+    def _refused(self, kind: str, cause: str, lasting: bool = False) -> None:
+        """No new slab: this call's states take the fallback, for good where
+        ``lasting`` (no shared memory at all). Each kind of cause is logged
+        once, with the first call's figures."""
+        if lasting:
+            self.failure = cause
+        if kind not in self.warned:
+            self.warned.add(kind)
+            logger.warning(
+                "specshim: %s; the states of calls that find no free slab travel "
+                "through vLLM's message queue instead: %s",
+                cause,
+                _COST,
+            )
+        return None
 
     def _retire(self, slab: Slab) -> None:
         self.slabs.remove(slab)
@@ -232,14 +270,11 @@ class HostRegion:
         slab.close()
 
     def _full(self) -> None:
-        if not self.warned_full:
-            self.warned_full = True
-            logger.warning(
-                "specshim: the caller still holds the captured states of %d "
-                "generate() calls; while it does, further calls' states travel "
-                "through vLLM's message queue, more slowly",
-                MAX_SLABS,
-            )
+        self._refused(
+            "held",
+            f"the caller still holds the captured states of {MAX_SLABS} "
+            "generate() calls (each keeps its slab)",
+        )
 
     def close(self) -> None:
         """Drop every slab (files nobody attached are removed)."""
