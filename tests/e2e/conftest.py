@@ -282,7 +282,13 @@ def generator(request: pytest.FixtureRequest, tiny_model_dir: Any) -> Iterator[A
         expected["max_batched_tokens"], MAX_MODEL_LEN
     )
     gen.specshim_reference_name = HF_REFERENCE.get(name, name)
+    from specshim.patches.main.close_at_exit import worker_pids
+
+    from .ownership import assert_left_nothing
+
+    pids = worker_pids(gen.executor)
     try:
         yield gen
     finally:
         close_generator(gen)
+    assert_left_nothing(pids)

@@ -121,7 +121,13 @@ def generator(request: pytest.FixtureRequest, tiny_model_dir: Any) -> Iterator[A
     if runner == "v2":
         assert ".gpu." in facts["runner"], f"V2 forced, but ran {facts['runner']}"
     gen.specshim_reference_name = HF_REFERENCE.get(name, name)
+    from specshim.patches.main.close_at_exit import worker_pids
+
+    from ..e2e.ownership import assert_left_nothing
+
+    pids = worker_pids(gen.executor)
     try:
         yield gen
     finally:
         close_generator(gen)
+    assert_left_nothing(pids)

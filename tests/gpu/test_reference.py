@@ -17,5 +17,6 @@ from ..e2e.test_reference_match import (  # noqa: F401 - collected here
     test_repeated_calls_with_different_batch_sizes,
     test_rows_dropped_or_repeated_in_the_worker_are_refused,
     test_shared_system_prompt,
+    test_what_generate_returns_is_the_callers_alone,
     test_workers_free_every_finished_request,
 )

@@ -34,7 +34,7 @@ HERE = Path(__file__).parent
 # The reference cases with the exit checks; every other way in (extract and
 # --data-parallel 1, verify, check, the plugin, the refusals).
 GROUPS = {
-    "reference": ["test_reference.py", "test_exit.py"],
+    "reference": ["test_reference.py", "test_exit.py", "test_lifetime.py"],
     "routes": ["test_paths.py"],
 }
 STACKS = "SPECSHIM_GPU_TIER_STACKS"  # where a run's late stack dumps go

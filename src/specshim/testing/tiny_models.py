@@ -29,11 +29,13 @@ __all__ = [
     "MLA_WIDTH",
     "SPECIAL_TOKENS",
     "VOCAB_SIZE",
+    "WIDE_LAYERS",
     "build_deepseek_v3",
     "build_deepseek_v3_mla",
     "build_kimi_k25",
     "build_kimi_k25_mla",
     "build_llama",
+    "build_llama_wide",
     "build_qwen2",
     "build_tokenizer",
     "deepseek_v3_config",
@@ -245,8 +247,27 @@ def build_kimi_k25_mla(path: Path, seed: int = 0) -> Path:
     return build_kimi_k25(path, seed, **MLA_WIDTH)
 
 
+# A Llama 4x wider, half as deep, with a narrow MLP: a row of its states is 2 KiB a layer, so
+# replies of every size the state transport handles differently (1 MiB a
+# layer, 24 MiB in all) take few tokens, which on a CPU is what costs.
+WIDE_LAYERS = [0, 1, 2]
+
+
+def build_llama_wide(path: Path, seed: int = 0) -> Path:
+    return build_llama(
+        path,
+        seed,
+        hidden_size=1024,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
+
+
 BUILDERS: dict[str, Callable[..., Path]] = {
     "llama": build_llama,
+    "llama_wide": build_llama_wide,
     "qwen2": build_qwen2,
     "deepseek_v3": build_deepseek_v3,
     "kimi_k25": build_kimi_k25,

@@ -152,23 +152,23 @@ def use_transport(worker: Any, mode: str) -> None:
     """Switch how this worker's captured states reach the main process:
     ``"shared"`` (specshim's ``state-transport``, the default), ``"pickled"``
     (speculators' own ``_get_captured_states``: tensors through vLLM's RPC
-    queue) or ``"fallback"`` (``state-transport`` without a shared region, as
-    where ``/dev/shm`` is too small: numpy arrays through the queue)."""
+    queue) or ``"fallback"`` (``state-transport`` finding no slab, as where
+    ``/dev/shm`` is too small: numpy arrays through the queue). The worker
+    keeps its slabs across switches, as a worker's region lives as long as
+    it does: what the caller holds stays held."""
     import types
 
     from specshim._registry import REGISTRY
     from specshim.patches.worker import _shared_states
 
+    if mode not in ("shared", "pickled", "fallback"):
+        raise ValueError(f"unknown transport {mode!r}")
     worker = vars(worker).get("worker", worker)
     worker.__dict__.pop("_get_captured_states", None)
-    old = getattr(worker, "_specshim_region", None)
-    if old is not None:
-        old.close()
-    worker._specshim_region = None
+    region = getattr(worker, "_specshim_region", None)
+    if region is None:
+        region = worker._specshim_region = _shared_states.HostRegion()
+    region.failure = "fallback forced by a test" if mode == "fallback" else None
     if mode == "pickled":
         original = REGISTRY.record("state-transport").original
         worker._get_captured_states = types.MethodType(original, worker)
-    elif mode == "fallback":
-        worker._specshim_region = _shared_states.HostRegion("/nonexistent-shm")
-    elif mode != "shared":
-        raise ValueError(f"unknown transport {mode!r}")
