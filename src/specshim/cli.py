@@ -278,7 +278,7 @@ def _run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    if not command:
+    if not command or not command[0]:
         raise UsageError(
             "specshim run needs a command: specshim run -- python script.py"
         )
@@ -294,6 +294,15 @@ def _run(args: argparse.Namespace) -> int:
         os.execvpe(command[0], command, env)
     except FileNotFoundError:
         raise UsageError(f"command not found: {command[0]}") from None
+    except OSError as exc:  # a directory, a file without its execute bit, ...
+        hint = ""
+        if os.path.isfile(command[0]) and command[0].endswith(".py"):
+            hint = f"; run it with Python: specshim run -- python {command[0]}"
+        elif os.path.isdir(command[0]):
+            hint = "; that is a directory"
+        raise UsageError(
+            f"cannot run {command[0]}: {exc.strerror or exc}{hint}"
+        ) from None
     return 127  # not reached
 
 

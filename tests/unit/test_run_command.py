@@ -47,6 +47,23 @@ def test_run_with_an_unknown_command_is_an_error():
     assert out.returncode == 2 and "command not found" in out.stderr
 
 
+@pytest.mark.parametrize("what", ["directory", "script without exec bit", "empty"])
+def test_run_of_what_cannot_be_run_is_one_line(tmp_path, what):
+    """Each was a PermissionError or ValueError traceback (issue 48)."""
+    script = tmp_path / "job.py"
+    script.write_text("print(1)\n")
+    target = {"directory": str(tmp_path), "empty": ""}.get(what, str(script))
+    out = subprocess.run(
+        [sys.executable, "-m", "specshim", "run", "--", target],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1
+    if what == "script without exec bit":
+        assert f"run it with Python: specshim run -- python {script}" in out.stderr
+
+
 def _python_without_specshim(tmp_path):
     """A fresh virtual environment: a real Python that cannot import specshim."""
     subprocess.run(

@@ -247,9 +247,10 @@ def build_kimi_k25_mla(path: Path, seed: int = 0) -> Path:
     return build_kimi_k25(path, seed, **MLA_WIDTH)
 
 
-# A Llama 4x wider, half as deep, with a narrow MLP: a row of its states is 2 KiB a layer, so
-# replies of every size the state transport handles differently (1 MiB a
-# layer, 24 MiB in all) take few tokens, which on a CPU is what costs.
+# A Llama 4x wider, half as deep, with a narrow MLP: a row of its states is
+# 4 KiB a layer (float32), so replies of every size the state transport
+# handles differently (1 MiB a layer, 24 MiB in all) take few tokens, which is
+# what costs on a CPU.
 WIDE_LAYERS = [0, 1, 2]
 
 
