@@ -7,6 +7,7 @@ test-export``)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -222,3 +223,35 @@ def test_files_of_samples_the_source_no_longer_has_are_removed(source, tmp_path)
     assert sorted(p.name for p in (dest / "hidden_states").iterdir()) == [
         f"hs_{i}.safetensors" for i in range(3)
     ]
+
+
+@pytest.mark.parametrize("blocked", ["a file named hidden_states", "read-only"])
+def test_a_dest_that_cannot_be_written_is_one_line(
+    source, tmp_path, monkeypatch, capsys, blocked
+):
+    """Each was a FileExistsError or PermissionError traceback (issue 48)."""
+    from specshim.cli import main
+
+    model, out = source()
+    dest = tmp_path / "dest"
+    assert export(ExportOptions(out=out, dest=dest, model=model))["written"] == 5
+    if blocked == "read-only":  # as a user without write access meets it
+        real = Path.touch
+
+        def touch(self, *args, **kwargs):
+            if self.parent.parent == dest:
+                raise PermissionError(13, "Permission denied")
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "touch", touch)
+    else:
+        shutil.rmtree(dest / "hidden_states")
+        (dest / "hidden_states").write_text("not a folder")
+    code = main(
+        ["export", "--out", str(out), "--to", "speculators", str(dest)]
+        + ["--model", str(model)]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    reason = "Permission denied" if blocked == "read-only" else "is a file"
+    assert f"cannot export into {dest / 'hidden_states'}: {reason}" in err

@@ -273,8 +273,18 @@ def _prepare_dest(options: ExportOptions, mapping: dict[str, Any], total: int) -
         marker.unlink()  # the export is whole again only once it is rewritten
     elif dest.exists() and any(dest.iterdir()) and not (dest / _META).is_dir():
         raise UsageError(f"{dest} exists and is not a specshim export; pick a new one")
-    (dest / "hidden_states").mkdir(parents=True, exist_ok=True)
-    (dest / _META).mkdir(exist_ok=True)
+    for folder in (dest / "hidden_states", dest / _META):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".specshim-write-test-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError as exc:
+            what = "is a file" if folder.is_file() else exc.strerror or str(exc)
+            raise UsageError(
+                f"cannot export into {folder}: {what}; pick a DEST this user "
+                "can write, or remove what is in the way"
+            ) from None
     return marker
 
 
