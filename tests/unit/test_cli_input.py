@@ -140,6 +140,20 @@ def test_missing_data_file(tmp_path, capsys, model):
     assert code == 2 and "no such file" in err
 
 
+@pytest.mark.timeout(120)  # before the fix: it waited for a writer forever
+@pytest.mark.parametrize("name", ["d.jsonl", "d.parquet"])
+def test_data_that_is_no_regular_file_is_refused_at_once(tmp_path, capsys, model, name):
+    import os
+
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    code, err = _extract(
+        capsys, "--model", model, "--data", str(fifo), "--out", str(tmp_path / "o")
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--data {fifo}: not a regular file or a directory" in err
+
+
 def test_over_length_samples_are_truncated_with_a_count(tmp_path, model, caplog):
     lines = [json.dumps({"input_ids": [1] * n}) for n in (10, 40, 50)]
     with caplog.at_level(logging.WARNING):

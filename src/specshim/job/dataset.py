@@ -209,6 +209,12 @@ class RecordStream:
     ) -> None:
         self.path, self.shard, self.split, self.column = path, shard, split, column
         self.total: int | None = None
+        if path.exists() and not (path.is_file() or path.is_dir()):
+            # a FIFO or a device: reading it blocked until a writer came
+            raise UsageError(
+                f"--data {path}: not a regular file or a directory; give the "
+                "dataset's file (or a datasets save_to_disk folder)"
+            )
         self.table = path.is_dir() or _table_suffix(path) in TABLE_BUILDERS
         if not self.table:
             if split is not None:
