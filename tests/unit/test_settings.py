@@ -360,3 +360,24 @@ print("ok", armed)
     done = _fresh_python(code, SPECSHIM_MAX_NUM_SEQS="48")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-2:] == ["ok", "True"]
+
+
+@pytest.mark.parametrize(
+    "name, value, said",
+    [
+        ("SPECSHIM_DISABLE", "state-transprot", "SPECSHIM_DISABLE names no patch: "),
+        ("SPECSHIM_SHM_MIB", "lots", "SPECSHIM_SHM_MIB=lots: give the most MiB"),
+    ],
+)
+def test_doctor_lists_a_wrong_environment_value_as_a_problem(
+    generator_module, monkeypatch, capsys, name, value, said
+):
+    """An unknown id in SPECSHIM_DISABLE was only a Python warning (issue 48)."""
+    from specshim.cli import main
+
+    monkeypatch.setenv(name, value)
+    code = main(["doctor"])
+    out = capsys.readouterr().out
+    assert code == 1 and said in out
+    if name == "SPECSHIM_DISABLE":
+        assert "state-transprot" in out
