@@ -520,3 +520,26 @@ def _with_handler(parser, command, handler):
         if isinstance(action, argparse._SubParsersAction):
             action.choices[command].set_defaults(func=handler)
     return parser
+
+
+def test_a_patch_this_vllm_needs_turned_off_is_named(tmp_path, tiny_model_dir):
+    """vLLM's refusal ('is_encoder_decoder') said nothing of the variable that
+    caused it (issue 48). In a process of its own: the patches are armed at
+    import."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SPECSHIM_DISABLE": "scheduler-config-initvars"}
+    done = subprocess.run(
+        [sys.executable, "-m", "specshim", "extract", "--model"]
+        + [str(tiny_model_dir("llama")), "--data", _data(tmp_path, [OK_LINE])]
+        + ["--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "SPECSHIM_DISABLE turns off scheduler-config-initvars" in last

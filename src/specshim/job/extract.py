@@ -235,13 +235,31 @@ def _make_generator(plan: RunPlan) -> Any:
         if type(exc).__name__ == "ValidationError":
             reason = (lines[1:] or lines or [repr(exc)])[0]
             reason = reason.removeprefix("Value error, ")
-            raise UsageError(f"vLLM refused these settings: {reason}") from None
+            raise UsageError(
+                f"vLLM refused these settings: {reason}{_disabled_hint()}"
+            ) from None
         # Anything else stopped the workers from starting: vLLM logged why.
         first = lines[0] if lines else ""
         raise SpecShimError(
             f"the generator could not start ({type(exc).__name__}: {first}); the "
-            "vLLM log above says why. Nothing was written in this run."
+            f"vLLM log above says why{_disabled_hint()}. Nothing was written in "
+            "this run."
         ) from exc
+
+
+def _disabled_hint() -> str:
+    """Where ``SPECSHIM_DISABLE`` turns patches off, a failed start names
+    them: a patch this vLLM needs, turned off, fails as the drift it fixes
+    ("is_encoder_decoder"), which says nothing of the variable."""
+    from specshim._settings import disabled_ids
+
+    off = sorted(disabled_ids())
+    if not off:
+        return ""
+    return (
+        f" (SPECSHIM_DISABLE turns off {', '.join(off)}: this vLLM may need "
+        "them; unset it and rerun)"
+    )
 
 
 def _generate(generator: Any, batch: list[Todo], writer: Writer) -> list[Any]:
