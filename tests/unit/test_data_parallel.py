@@ -3,9 +3,11 @@ starts, and how it splits the GPUs and the shards among its children."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from specshim._base import UsageError
+from specshim._base import SpecShimError, UsageError
 from specshim.cli import _extract_argv, build_parser, main
 from specshim.job import parallel
 from specshim.job.parallel import Slot, plan_slots, visible_gpus
@@ -92,7 +94,8 @@ def test_cuda_visible_devices_is_read_as_cuda_reads_it(gpus, monkeypatch):
     assert visible_gpus() is None  # no NVIDIA GPU: vLLM's CPU backend
 
 
-def test_on_cpu_any_number_of_runs_is_planned():
+def test_on_cpu_as_many_runs_as_cores_are_planned(monkeypatch):
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda _: set(range(6)))
     slots = plan_slots(3, 2, None, None)
     assert [s.shard for s in slots] == [(0, 3), (1, 3), (2, 3)]
     assert all(s.gpus is None for s in slots)
@@ -225,3 +228,112 @@ def test_cpu_runs_of_one_command_share_the_kv_cache_cap(monkeypatch):
         monkeypatch.setenv(kv_cache.SHARE, bad)
         with pytest.raises(UsageError, match=f"SPECSHIM_CPU_KV_SHARE={bad}: give"):
             kv_cache.cpu_kv_space(None, 2 * gib)
+
+
+def test_more_runs_than_the_cpu_host_has_cores_are_refused(capsys, monkeypatch):
+    """--data-parallel 100000 started shards until it ran out of files, then
+    ended in a traceback with 25 shards left running (issue 48)."""
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda _: {0, 1})
+    monkeypatch.setattr(parallel, "visible_gpus", lambda: None)
+    err = _refused(capsys, "--data-parallel", "100000")
+    assert "needs 100000 CPU cores at least; this host lets the run use 2" in err
+
+
+def test_more_runs_than_the_open_file_limit_allows_are_refused(monkeypatch):
+    import resource
+
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda _: set(range(64)))
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (32, 32))
+    with pytest.raises(UsageError, match="needs about 104 open files; the limit is 32"):
+        plan_slots(10, 1, None, None)
+
+
+SLEEPER = ["run", "--", sys.executable, "-c", "import time; time.sleep(600)"]
+
+
+def _gone(pid: int, within: float = 30.0) -> bool:
+    import os
+    import time
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # a zombie of ours counts as gone once reaped
+        if os.waitpid(pid, os.WNOHANG)[0] if _is_child(pid) else False:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _is_child(pid: int) -> bool:
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+    except OSError:
+        return False
+
+
+def test_no_shard_outlives_a_parent_killed_with_sigkill(tmp_path):
+    import os
+    import signal
+    import subprocess
+
+    (tmp_path / ".specshim").mkdir()
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path\n"
+            "from specshim.job import parallel\n"
+            "from specshim.job.parallel import Slot\n"
+            f"argv = {SLEEPER!r}\n"
+            "for i in range(2):\n"
+            f"    out = Path({str(tmp_path)!r})\n"
+            "    c = parallel._start(Slot((i, 2), None), argv, out)\n"
+            "    print(c.process.pid, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    shards = [int(parent.stdout.readline()) for _ in range(2)]
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    alive = [pid for pid in shards if not _gone(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "shards outlived their parent"
+
+
+def test_a_shard_that_cannot_start_stops_those_started(tmp_path, monkeypatch):
+    started = []
+    real = parallel._start
+
+    def start(slot, argv, out, runs=1):
+        if len(started) == 2:
+            raise OSError(24, "Too many open files")
+        started.append(real(slot, SLEEPER, out, runs))
+        return started[-1]
+
+    monkeypatch.setattr(parallel, "_start", start)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2]}\n')
+    slots = [Slot((i, 3), None) for i in range(3)]
+    with pytest.raises(SpecShimError, match="shard 2/3 could not start: Too many"):
+        parallel.run_parallel(slots, ["extract"], tmp_path / "out", data, {})
+    assert [child.process.poll() for child in started] == [-9, -9]
+
+
+def test_a_usage_error_only_a_shard_finds_is_a_usage_error(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2]}\n')
+    argv = ["extract", "--model", str(tmp_path / "nope"), "--data", str(data)]
+    argv += ["--out", str(tmp_path / "out")]
+    slots = [Slot((i, 2), None) for i in range(2)]
+    with pytest.raises(UsageError, match="shard ./2: --model .*nope"):
+        parallel.run_parallel(slots, argv, tmp_path / "out", data, {})

@@ -114,6 +114,7 @@ def plan_slots(
             f"{len(gpus)} visible (CUDA_VISIBLE_DEVICES="
             f"{','.join(gpus) or 'none'})"
         )
+    _refuse_beyond_the_host(count, tp, gpus)
     host, hosts = host_shard or (0, 1)
     return [
         Slot(
@@ -122,6 +123,47 @@ def plan_slots(
         )
         for i in range(count)
     ]
+
+
+FILES_PER_SHARD = 4  # this process's log of it, and what Popen opens briefly
+FILES_SPARE = 64  # what this process itself keeps open
+
+
+def _refuse_beyond_the_host(count: int, tp: int, gpus: list[str] | None) -> None:
+    """More shards than this host can run, refused before any starts: on a
+    CPU host more than its cores (each shard's workers need one at least),
+    anywhere more than the open-file limit lets this process watch (at 32
+    files, 26 shards started and the command ended in a traceback)."""
+    if gpus is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        if count * tp > cores:
+            raise UsageError(
+                f"--data-parallel {count} x --tp {tp} needs {count * tp} CPU cores "
+                f"at least; this host lets the run use {cores}"
+            )
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = count * FILES_PER_SHARD + FILES_SPARE
+    if soft != resource.RLIM_INFINITY and needed > soft:
+        raise UsageError(
+            f"--data-parallel {count} needs about {needed} open files; the limit "
+            f"is {soft} (raise it with ulimit -n, or run fewer shards)"
+        )
+
+
+def _die_with_parent() -> None:
+    """In a child, before it runs: the kernel kills it when the process that
+    started it dies, for any reason (SIGKILL included), so no shard outlives
+    the command. Its vLLM workers follow it (they watch their parent)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
 @dataclass
@@ -192,6 +234,7 @@ def _start(slot: Slot, argv: list[str], out: Path, runs: int = 1) -> _Child:
         stderr=subprocess.STDOUT,
         env=env,
         start_new_session=True,
+        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
     )
     return _Child(slot, process, log, time.time())
 
@@ -238,7 +281,14 @@ def run_parallel(
     threading.Thread(target=total.count, args=(out, data, dataset), daemon=True).start()
     children: list[_Child] = []
     try:
-        children += [_start(slot, argv, out, len(slots)) for slot in slots]
+        for slot in slots:  # one by one: a failed start still stops the others
+            try:
+                children.append(_start(slot, argv, out, len(slots)))
+            except OSError as exc:
+                raise SpecShimError(
+                    f"shard {slot.name} could not start: {exc.strerror or exc}; "
+                    "the shards started were stopped"
+                ) from None
         watch = _Watch(children, out, total)
         watch.run()
     finally:
@@ -324,6 +374,8 @@ class _Watch:
     def result(self) -> dict[str, Any]:
         if self.failed is not None:
             child = self.failed
+            if child.process.returncode == 2:  # its usage error: the user's to fix
+                raise UsageError(f"shard {child.slot.name}: {failure(child, self.out)}")
             raise SpecShimError(
                 f"shard {child.slot.name} failed: {failure(child, self.out)}; its log: "
                 f"{child.slot.log(self.out)}. The other shards were stopped; every "
