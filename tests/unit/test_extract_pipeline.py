@@ -367,8 +367,14 @@ def test_files_of_samples_a_shorter_dataset_lacks_are_never_counted_done(
     )
     extract(_options(model, data, out, move_orphans=True))
     assert sorted(_written(out)) == [0, 1, 2, 3]
-    moved = sorted(p.name for p in (out / ".specshim" / "orphans").rglob("*.pt"))
-    assert moved == ["data_4.pt", "data_5.pt"]
+    orphans = (out / ".specshim" / "orphans").rglob("*")
+    moved = sorted(p.name for p in orphans if p.is_file())
+    assert moved == ["data_4.pt.orphan", "data_5.pt.orphan"]
+    # The trainer walks every folder and reads every name ending in pt: the
+    # moved files were still among them (issue 48).
+    from speculators.train.data import list_files
+
+    assert sorted(p.name for p in list_files(out)) == [f"data_{i}.pt" for i in range(4)]
     assert _status.collect(out).complete
 
 

@@ -109,6 +109,15 @@ def _finish(
 def _handle_orphans(plan: RunPlan, total: int, run: str) -> None:
     """Files past the dataset's end are moved aside (``--move-orphans``) or
     refused: speculators' trainer would read them as training data."""
+    foreign = _store.foreign_files(plan.out)
+    if foreign:
+        logger.warning(
+            "extract: %s holds %d file(s) that speculators' trainer would read "
+            "and that are no sample's (%s); move or rename them",
+            plan.out,
+            len(foreign),
+            ", ".join(foreign[:3]) + (" ..." if len(foreign) > 3 else ""),
+        )
     found = _store.orphans(_store.existing_files(plan.out), total)
     if not found:
         return

@@ -41,6 +41,8 @@ class Status:
     unproven: list[int] = field(default_factory=list)  # files no line describes
     missing: list[int] = field(default_factory=list)  # samples without a file
     orphans: list[int] = field(default_factory=list)  # files of no sample
+    # Other files the trainer would read (relative to OUT): no sample's name.
+    foreign: list[str] = field(default_factory=list)
     # The manifest entry that proves each file done.
     proven: dict[int, _store.Entry] = field(default_factory=dict)
     bytes: int = 0
@@ -54,6 +56,7 @@ class Status:
             and not self.missing
             and not self.unproven
             and not self.orphans
+            and not self.foreign
             and self.done == self.total
         )
 
@@ -85,6 +88,7 @@ def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
         raise UsageError(f"--out {out}: no such directory")
     config = _store.read_config(out)
     files = _store.existing_files(out)
+    foreign = _store.foreign_files(out)
     probe = _store.Run(out)  # only to ask whether a run is alive
     runs, sizes = [], []
     written: dict[int, list[tuple[RunSummary, _store.Entry]]] = {}
@@ -112,7 +116,7 @@ def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
         # The dataset as the run that finished reading it last saw it (a
         # rerun on a shorter dataset: the files past its end are orphans).
         total = max(sizes)[1]
-    status = Status(total=total, runs=runs)
+    status = Status(total=total, runs=runs, foreign=foreign)
     settled = data is not None or not any(run.live for run in runs)
     if total is not None and settled:  # a file no sample owns is no sample done
         status.orphans = _store.orphans(files, total)
@@ -133,6 +137,10 @@ def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
     return status
 
 
+def _few_names(names: list[str]) -> str:
+    return " (" + ", ".join(names[:5]) + (" ..." if len(names) > 5 else "") + ")"
+
+
 def render(status: Status, out: Path) -> list[str]:
     gib = 1 << 30
     total = "?" if status.total is None else str(status.total)
@@ -149,6 +157,12 @@ def render(status: Status, out: Path) -> list[str]:
             f"  files of samples the dataset does not have (speculators' trainer "
             f"reads them; `extract --move-orphans` moves them aside): "
             f"{len(status.orphans)}" + _few(status.orphans)
+        )
+    if status.foreign:
+        lines.append(
+            f"  files speculators' trainer would read that are no sample's "
+            f"(it reads every name ending in pt under OUT; move or rename "
+            f"them): {len(status.foreign)}" + _few_names(status.foreign)
         )
     if status.unproven:
         lines.append(

@@ -46,7 +46,10 @@ META = ".specshim"
 HEARTBEAT_SECONDS = 30.0
 STALE_AFTER = 300.0  # a heartbeat older than this belongs to a dead run
 
-_DATA = re.compile(r"^data_(\d+)\.pt$")
+# Sample i's file has one name: no zero padding, so data_01.pt is not sample
+# 1's (the trainer would read it beside data_1.pt).
+_DATA = re.compile(r"^data_(0|[1-9]\d*)\.pt$")
+ORPHAN_SUFFIX = ".orphan"  # a moved orphan's name ends so: the trainer skips it
 _PARTIAL = re.compile(
     r"^\.(?:data_\d+\.pt|data_config\.json)\.(?P<run>[^.]+)\.partial$"
 )
@@ -305,7 +308,9 @@ def existing_files(
             index = int(match.group(1))
             if wanted is None or index in wanted:
                 with contextlib.suppress(FileNotFoundError):
-                    found[index] = item.stat(follow_symlinks=False)
+                    stat = item.stat(follow_symlinks=False)
+                    if _stat.S_ISREG(stat.st_mode):  # a folder so named is none
+                        found[index] = stat
     return found
 
 
@@ -317,14 +322,37 @@ def orphans(files: dict[int, os.stat_result], total: int) -> list[int]:
 
 
 def move_orphans(out: Path, indices: list[int], run: str) -> Path:
-    """Move those files to ``.specshim/orphans/{run}/``, out of the trainer's
-    sight; returns the folder. A file another shard moved first is skipped."""
+    """Move those files to ``.specshim/orphans/{run}/``, renamed
+    ``data_{i}.pt.orphan``: the trainer walks every folder under OUT, hidden
+    ones too, and reads every name that ends in ``pt``. Returns the folder. A
+    file another shard moved first is skipped."""
     folder = out / META / "orphans" / run
     folder.mkdir(parents=True, exist_ok=True)
     for index in indices:
+        name = final_path(out, index).name
         with contextlib.suppress(FileNotFoundError):
-            os.rename(final_path(out, index), folder / final_path(out, index).name)
+            os.rename(final_path(out, index), folder / (name + ORPHAN_SUFFIX))
     return folder
+
+
+def trainer_files(out: Path) -> list[Path]:
+    """What speculators 0.3.0's trainer reads from ``out``
+    (``speculators.train.data.list_files``): every file, in every folder under
+    it, hidden ones included, whose name ends in ``pt``."""
+    found = []
+    for root, _folders, names in os.walk(out):
+        found += [Path(root) / name for name in names if name.endswith("pt")]
+    return found
+
+
+def foreign_files(out: Path) -> list[str]:
+    """The files the trainer would read that are no sample's file (a copy, a
+    zero-padded name, anything under a subfolder), relative to ``out``."""
+    return sorted(
+        str(path.relative_to(out))
+        for path in trainer_files(out)
+        if not (path.parent == out and _DATA.match(path.name))
+    )
 
 
 def manifests(out: Path) -> Iterator[tuple[dict[str, Any], list[Entry]]]:

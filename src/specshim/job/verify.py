@@ -14,7 +14,7 @@ from typing import Any
 
 from specshim._base import SpecShimError
 from specshim.job.run_config import run_config
-from specshim.job.store import existing_files, final_path
+from specshim.job.store import existing_files, final_path, foreign_files
 
 
 def _model_input(path: Path, vocab_size: int) -> tuple[dict[str, Any] | None, str]:
@@ -248,12 +248,19 @@ def verify_all(
             bad += 1
     for index, path in sorted(files.items()):  # what is left: no sample's file
         lines.append(f"  ORPHAN {path.name}: the dataset has no sample {index}")
+    foreign = foreign_files(out)
+    for name in foreign:
+        lines.append(
+            f"  FOREIGN {name}: speculators' trainer would read it (its name ends "
+            "in pt) and it is no sample's file"
+        )
     warn_truncated(tokenizing.truncated, count, max_len)
     head = f"verify --all: {stream.total} samples in {data}, {count - bad} good"
     head += f", {bad} bad or missing" if bad else ""
     head += f", {len(files)} file(s) of no sample" if files else ""
+    head += f", {len(foreign)} foreign file(s)" if foreign else ""
     lines.insert(0, head)
-    return _close(lines, bool(bad or files))
+    return _close(lines, bool(bad or files or foreign))
 
 
 def verify(
