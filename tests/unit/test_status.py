@@ -16,10 +16,19 @@ def _write(out: Path, run: _store.Run, index: int, tokens: int) -> None:
     tmp.write_bytes(b"x" * (100 + index))
     stat = tmp.stat()
     entry = _store.Entry(
-        index, "aa", "bb", stat.st_size, stat.st_ino, stat.st_mtime_ns, tokens
+        index, "aa", _record(index), stat.st_size, stat.st_ino, stat.st_mtime_ns, tokens
     )
     run.record(entry)
     os.replace(tmp, _store.final_path(out, index))
+
+
+def _record(index: int) -> str:
+    """The record digest of ``_dataset``'s sample ``index`` (status compares
+    it with the dataset's)."""
+    from specshim.job.dataset import _normalise
+
+    row = {"input_ids": [1] * (index + 1)}
+    return _store.record_digest(_normalise(row, "test", None))
 
 
 def _dataset(path: Path, count: int) -> Path:

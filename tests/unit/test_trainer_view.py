@@ -113,3 +113,27 @@ def test_verify_vouches_for_exactly_what_the_trainer_reads(
         assert read == samples
     status = _status.collect(out, data)
     assert status.complete == whole, sorted(changes)
+
+
+def test_status_and_verify_agree_on_an_edited_dataset(source, tmp_path):
+    """status said complete where verify --all found a sample that no longer
+    matched its record (issue 48)."""
+    import json
+
+    model, data, base = source
+    out = tmp_path / "out"
+    shutil.copytree(base, out, copy_function=os.link)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[3]["input_ids"] = [7, 7, 7]
+    edited = _jsonl(tmp_path / "edited.jsonl", rows)
+    status = _status.collect(out, edited)
+    assert status.changed == [3] and not status.complete
+    assert "written from a record the dataset has changed" in "\n".join(
+        _status.render(status, out)
+    )
+    code = main(
+        ["verify", "--all", "--out", str(out), "--data", str(edited)]
+        + ["--model", str(model)]
+    )
+    assert code == 1
+    assert _status.collect(out, data).complete  # against the data it was written from

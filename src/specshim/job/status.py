@@ -41,6 +41,9 @@ class Status:
     unproven: list[int] = field(default_factory=list)  # files no line describes
     missing: list[int] = field(default_factory=list)  # samples without a file
     orphans: list[int] = field(default_factory=list)  # files of no sample
+    # Files written from a record the dataset (--data) no longer holds as it
+    # was: not done until a rerun has checked their tokens.
+    changed: list[int] = field(default_factory=list)
     # Other files the trainer would read (relative to OUT): no sample's name.
     foreign: list[str] = field(default_factory=list)
     # The manifest entry that proves each file done.
@@ -57,6 +60,7 @@ class Status:
             and not self.unproven
             and not self.orphans
             and not self.foreign
+            and not self.changed
             and self.done == self.total
         )
 
@@ -104,19 +108,23 @@ def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
             sizes.append((float(header.get("finished") or 0), int(size)))
         runs.append(summary)
     proven = _credit_runs(written, files)
+    changed: list[int] = []  # written from a record the dataset no longer has
     total = None
     if data is not None:
         from specshim.job.dataset import RecordStream
 
         stream = RecordStream(data, **dataset)
-        for _ in stream:  # counted, not kept
-            pass
+        for record in stream:  # counted, not kept
+            entry = proven.get(record.index)
+            if entry is not None and entry.record != record.digest:
+                changed.append(record.index)
         total = stream.total
     elif sizes:
         # The dataset as the run that finished reading it last saw it (a
         # rerun on a shorter dataset: the files past its end are orphans).
         total = max(sizes)[1]
-    status = Status(total=total, runs=runs, foreign=foreign)
+    status = Status(total=total, runs=runs, foreign=foreign, changed=changed)
+    proven = {i: e for i, e in proven.items() if i not in set(changed)}
     settled = data is not None or not any(run.live for run in runs)
     if total is not None and settled:  # a file no sample owns is no sample done
         status.orphans = _store.orphans(files, total)
@@ -124,7 +132,9 @@ def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
     status.done, status.proven = len(proven), proven
     status.tokens = sum(e.num_tokens for e in proven.values())
     status.bytes = sum(stat.st_size for stat in files.values())
-    status.unproven = sorted(set(files) - set(proven) - set(status.orphans))
+    status.unproven = sorted(
+        set(files) - set(proven) - set(status.orphans) - set(changed)
+    )
     if total is not None:
         status.missing = [i for i in range(total) if i not in files]
     shards = {r.shard for r in runs if r.shard}
@@ -157,6 +167,12 @@ def render(status: Status, out: Path) -> list[str]:
             f"  files of samples the dataset does not have (speculators' trainer "
             f"reads them; `extract --move-orphans` moves them aside): "
             f"{len(status.orphans)}" + _few(status.orphans)
+        )
+    if status.changed:
+        lines.append(
+            f"  written from a record the dataset has changed since (a rerun "
+            f"checks their tokens and rewrites what differs; verify --all "
+            f"compares them): {len(status.changed)}" + _few(status.changed)
         )
     if status.foreign:
         lines.append(

@@ -309,7 +309,9 @@ def existing_files(
             if wanted is None or index in wanted:
                 with contextlib.suppress(FileNotFoundError):
                     stat = item.stat(follow_symlinks=False)
-                    if _stat.S_ISREG(stat.st_mode):  # a folder so named is none
+                    # A folder so named is no file (the trainer reads no folder);
+                    # anything else is, to be proven or refused as it is.
+                    if not _stat.S_ISDIR(stat.st_mode):
                         found[index] = stat
     return found
 
