@@ -137,3 +137,24 @@ def test_status_and_verify_agree_on_an_edited_dataset(source, tmp_path):
     )
     assert code == 1
     assert _status.collect(out, data).complete  # against the data it was written from
+
+
+def test_a_zero_padded_name_is_named_as_it_is_and_never_taken_for_a_sample(
+    source, tmp_path, caplog
+):
+    """With --move-orphans the run said it moved data_7.pt while data_007.pt
+    stayed, and verify --all then reported an orphan data_7.pt that did not
+    exist (issue 48)."""
+    import logging
+
+    model, data, base = source
+    out = tmp_path / "out"
+    shutil.copytree(base, out, copy_function=os.link)
+    shutil.copy(out / "data_1.pt", out / "data_007.pt")
+    with caplog.at_level(logging.WARNING):
+        _extract.extract(_options(model, data, out, move_orphans=True))
+    assert "data_007.pt" in caplog.text and "data_7.pt" not in caplog.text
+    assert (out / "data_007.pt").exists()
+    status = _status.collect(out, data)
+    assert status.foreign == ["data_007.pt"] and status.orphans == []
+    assert not status.complete
