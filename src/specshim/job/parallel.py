@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -155,15 +155,20 @@ def _refuse_beyond_the_host(count: int, tp: int, gpus: list[str] | None) -> None
         )
 
 
-def _die_with_parent() -> None:
-    """In a child, before it runs: the kernel kills it when the process that
-    started it dies, for any reason (SIGKILL included), so no shard outlives
-    the command. Its vLLM workers follow it (they watch their parent)."""
+def _die_with_parent() -> Callable[[], None] | None:
+    """What a child runs before it starts (None where the kernel has no such
+    call): the kernel kills it when the process that started it dies, for
+    any reason (SIGKILL included), so no shard outlives the command; its vLLM
+    workers follow it (they watch their parent). Built here, in the parent:
+    the child, forked beside this process's threads, must import nothing."""
+    if sys.platform != "linux":
+        return None
     import ctypes
+    import functools
 
-    libc = ctypes.CDLL(None, use_errno=True)
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
     pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    return functools.partial(prctl, pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
 
 
 @dataclass
@@ -234,7 +239,7 @@ def _start(slot: Slot, argv: list[str], out: Path, runs: int = 1) -> _Child:
         stderr=subprocess.STDOUT,
         env=env,
         start_new_session=True,
-        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        preexec_fn=_die_with_parent(),
     )
     return _Child(slot, process, log, time.time())
 
