@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Any
 
-from specshim._base import GENERATOR, PACKAGES
+from specshim._base import GENERATOR, PACKAGES, UsageError
 from specshim._registry import REGISTRY, records
 from specshim._settings import settings, strict, trust_remote_code
 from specshim._types import State
@@ -252,3 +252,25 @@ def format_model_report(data: dict[str, Any]) -> str:
             "hidden-state extraction never uses them"
         )
     return "\n".join(lines)
+
+
+def environment_problems(data: dict[str, Any]) -> list[str]:
+    """``SPECSHIM_*`` values that are not knobs but still wrong: a patch id
+    ``SPECSHIM_DISABLE`` names that no patch has (a typo turns nothing off),
+    and a ``SPECSHIM_SHM_MIB`` that is no number."""
+    from specshim._base import shm_limit
+    from specshim._settings import disabled_ids
+
+    problems = []
+    known = {patch["id"] for patch in data["patches"]}
+    unknown = sorted(disabled_ids() - known - {"all"})
+    if unknown:
+        problems.append(
+            f"SPECSHIM_DISABLE names no patch: {', '.join(unknown)}; it turns "
+            "nothing off under those names (the ids are in the table above)"
+        )
+    try:
+        shm_limit()
+    except UsageError as exc:
+        problems.append(str(exc))
+    return problems

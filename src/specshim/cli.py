@@ -56,6 +56,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     # vLLM logs to stdout; keep stdout for the report itself (valid --json).
     from specshim._base import HOOKED_MODULES
+    from specshim._report import environment_problems
 
     if args.model:
         _checkpoint(args)
@@ -69,7 +70,7 @@ def _doctor(args: argparse.Namespace) -> int:
             except ImportError as exc:
                 failures.append(f"cannot import {name}: {exc}")
         data = specshim.report()
-        failures += _environment_problems(data)
+        failures += environment_problems(data)
         if args.model and not failures:
             from specshim._report import model_report
 
@@ -90,28 +91,6 @@ def _doctor(args: argparse.Namespace) -> int:
     return (
         1 if failures or bad or not (plugin["installed"] and plugin["allowed"]) else 0
     )
-
-
-def _environment_problems(data: dict[str, Any]) -> list[str]:
-    """``SPECSHIM_*`` values that are not knobs but still wrong: a patch id
-    ``SPECSHIM_DISABLE`` names that no patch has (a typo turns nothing off),
-    and a ``SPECSHIM_SHM_MIB`` that is no number."""
-    from specshim._base import shm_limit
-    from specshim._settings import disabled_ids
-
-    problems = []
-    known = {patch["id"] for patch in data["patches"]}
-    unknown = sorted(disabled_ids() - known - {"all"})
-    if unknown:
-        problems.append(
-            f"SPECSHIM_DISABLE names no patch: {', '.join(unknown)}; it turns "
-            "nothing off under those names (the ids are in the table above)"
-        )
-    try:
-        shm_limit()
-    except UsageError as exc:
-        problems.append(str(exc))
-    return problems
 
 
 def _check(args: argparse.Namespace) -> int:
