@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -179,8 +180,9 @@ def test_a_failing_writer_stops_the_run(
     assert sorted(_written(out)) == list(range(9))
     # Samples 10 and 11 were serialized beside 9; nothing of them is left.
     assert not list(out.glob(".data_*"))
-    # Batch 3 (samples 8-11) fails; one batch generating and one waiting at most.
-    assert fake[0].calls <= 5, "generation went on after the writer failed"
+    # Batch 3 (samples 8-11) fails while batch 4 serializes beside it; one
+    # batch waiting and one generating at most after those.
+    assert fake[0].calls <= 6, "generation went on after the writer failed"
 
 
 def test_the_feed_skips_what_out_holds_and_names_rewrites(
@@ -578,3 +580,67 @@ def test_a_stalled_start_up_says_every_interval_what_it_waits_for(
     assert (
         len([r for r in caplog.records if "still starting" in r.getMessage()]) == count
     )
+
+
+def test_the_run_says_where_its_time_went(
+    tmp_path, tiny_model_dir, fake, monkeypatch, caplog
+):
+    """The closing profile line: a slow generate() shows as generate() time, a
+    slow disk as the writer's serializing time and as batches waiting."""
+    monkeypatch.setattr(_writer, "writers", lambda: 1)
+    save = _writer.prepare_sample
+
+    def slow_save(run, todo, result):
+        time.sleep(0.03)
+        return save(run, todo, result)
+
+    monkeypatch.setattr(_writer, "prepare_sample", slow_save)
+    monkeypatch.setattr(_extract, "_make_generator", lambda plan: _Slow())
+    model = tiny_model_dir("llama")
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(24)])
+    with caplog.at_level("INFO", logger="specshim.job.extract"):
+        counts = extract(_options(model, data, tmp_path / "out"))
+    timing = counts["timing"]
+    assert timing["generate"] >= 6 * 0.05  # 6 batches of 4, 50 ms each
+    assert timing["writer_serializing"] >= 24 * 0.03 - 0.05  # one thread
+    # One thread at 120 ms a batch against 50 ms of generate(): batches wait.
+    assert timing["waiting_for_writer"] > 0.1
+    assert timing["writer_idle"] < timing["writer_serializing"]
+    line = [r.getMessage() for r in caplog.records if "after the first" in r.message]
+    assert len(line) == 1 and "for its 1 threads' files" in line[0]
+
+
+class _Slow(FakeGenerator):
+    def generate(self, batch):
+        time.sleep(0.05)
+        return super().generate(batch)
+
+
+def test_the_next_batch_serializes_while_one_commits(
+    tmp_path, tiny_model_dir, fake, monkeypatch
+):
+    """The writer's pool is not idle while a batch's manifest lines are
+    fsynced: batch 2's first file is serialized while batch 1 commits."""
+    monkeypatch.setattr(_writer, "writers", lambda: 2)
+    second_batch_saving = threading.Event()
+    save, commit = _writer.prepare_sample, _writer.commit
+
+    def slow_save(run, todo, result):
+        if todo.index == 4:
+            second_batch_saving.set()
+        if todo.index == 3:  # batch 1 stays on the pool until batch 2 came
+            time.sleep(0.5)
+        return save(run, todo, result)
+
+    def waiting_commit(run, prepared):
+        if prepared and prepared[0].todo.index == 0:
+            assert second_batch_saving.wait(10), "the pool idled during a commit"
+        return commit(run, prepared)
+
+    monkeypatch.setattr(_writer, "prepare_sample", slow_save)
+    monkeypatch.setattr(_writer, "commit", waiting_commit)
+    model = tiny_model_dir("llama")
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(12)])
+    counts = extract(_options(model, data, tmp_path / "out"))
+    assert counts["written"] == 12 and second_batch_saving.is_set()
+    assert sorted(_written(tmp_path / "out")) == list(range(12))

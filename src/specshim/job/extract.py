@@ -159,6 +159,7 @@ class _Pipeline:
         self.published = False
         self.began = time.monotonic()
         self.first_generate: float | None = None  # seconds from the start
+        self.generating = self.handing = 0.0  # in generate(), in writer.put
 
     def run(self, feed: Feed) -> dict[str, Any]:
         batch: list[Todo] = []
@@ -183,12 +184,39 @@ class _Pipeline:
                 _shutdown(self.generator)
         if self.writer is None:
             return {"written": 0, "tokens": 0, "seconds": 0.0}
+        return self._counts(self.writer)
+
+    def _counts(self, writer: Writer) -> dict[str, Any]:
+        """What the run wrote, at what rate, and where its time went (logged:
+        the run's own profile, first thing to read when it is slow)."""
         assert self.first_generate is not None
+        seconds = time.monotonic() - self.began - self.first_generate
+        timing = {
+            "generate": self.generating,
+            "waiting_for_writer": self.handing,
+            "writer_idle": writer.idle,
+            "writer_serializing": writer.serializing,
+            "writer_committing": writer.committing,
+        }
+        logger.info(
+            "extract: of %.1f s after the first generate(): generate() %.1f s, "
+            "handing batches to the writer %.1f s; the writer waited for "
+            "batches %.1f s, for its %d threads' files %.1f s, and committed "
+            "%.1f s",
+            seconds,
+            self.generating,
+            self.handing,
+            writer.idle,
+            writer.threads,
+            writer.serializing,
+            writer.committing,
+        )
         return {
-            "written": self.writer.written,
-            "tokens": self.writer.tokens,
-            "seconds": time.monotonic() - self.began - self.first_generate,
+            "written": writer.written,
+            "tokens": writer.tokens,
+            "seconds": seconds,
             "first_generate_seconds": self.first_generate,
+            "timing": timing,
         }
 
     def _start(self) -> None:
@@ -209,7 +237,9 @@ class _Pipeline:
         self.writer.check()
         if self.first_generate is None:
             self.first_generate = time.monotonic() - self.began
+        started = time.monotonic()
         results = _generate(self.generator, batch, self.writer)
+        self.generating += time.monotonic() - started
         if len(results) != len(batch):
             raise SpecShimError(
                 f"the generator returned {len(results)} results for {len(batch)} "
@@ -219,7 +249,9 @@ class _Pipeline:
             in_force = self.run_.publish_config(self.plan.output_config)
             check_identity(self.plan.out, in_force, self.plan.identity)
             self.published = True
+        started = time.monotonic()
         self.writer.put(batch, results)
+        self.handing += time.monotonic() - started
 
 
 def _make_generator(plan: RunPlan) -> Any:

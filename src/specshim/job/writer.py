@@ -1,9 +1,9 @@
 """Writing samples: each ``data_{i}.pt`` under a temporary name, recorded in
 the run's manifest, then renamed into place (``prepare_sample``, then
-``commit``); a writer thread one batch deep, so batch k is written while
-batch k+1 generates, its files serialized by a small pool and committed in
-sample order with one fsync of the manifest; and the progress bar or log
-line."""
+``commit``); a writer thread, so batch k is written while batch k+1
+generates, its files serialized by a small pool (batch k+1's already, while
+batch k commits) and committed in sample order with one fsync of the manifest
+per batch; and the progress bar or log line."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from specshim.job.store import final_path
 logger = logging.getLogger("specshim.job.extract")
 
 WRITERS = 8  # threads serializing a batch's files (at most one per core)
+_SERIALIZED = object()  # the pending batch's files are all serialized
 
 
 @dataclass
@@ -124,20 +125,25 @@ def writers() -> int:
 
 
 class Writer:
-    """Writes batch k's files while batch k+1 generates: a thread, one batch deep.
+    """Writes batch k's files while batch k+1 generates: a thread and its pool.
 
     ``put`` blocks while a batch waits (backpressure: at most one batch
-    generating, one waiting and one being written). The first failure stops
-    the thread; the next ``put``, ``check`` or ``finish`` raises it.
+    generating, one waiting, one serializing and one committing). The first
+    failure stops the thread; the next ``put``, ``check`` or ``finish``
+    raises it.
     """
 
     def __init__(self, run: _store.Run, progress: Progress) -> None:
         self.run, self.progress = run, progress
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=1)
         self.written = self.tokens = 0
+        # Seconds the writer thread spent idle (waiting for a batch), waiting
+        # for its pool's files, and committing: where the run's time went.
+        self.idle = self.serializing = self.committing = 0.0
         self.error: SpecShimError | None = None
+        self.threads = writers()
         self.pool = ThreadPoolExecutor(
-            max_workers=writers(), thread_name_prefix="specshim-save"
+            max_workers=self.threads, thread_name_prefix="specshim-save"
         )
         self.thread = threading.Thread(
             target=self._loop, name="specshim-writer", daemon=True
@@ -145,45 +151,99 @@ class Writer:
         self.thread.start()
 
     def _loop(self) -> None:
+        """Batch k+1's files are serialized on the pool while batch k is
+        committed: the pool is never idle between batches for the manifest's
+        fsync. Batches are still committed whole and in order."""
+        pending: tuple[list[Todo], list[Any]] | None = None
         while True:
-            item = self.queue.get()
+            waited = time.monotonic()
+            item = self._next(pending)
+            if item is _SERIALIZED:  # nothing came to overlap with: commit
+                assert pending is not None
+                if not self._settle(*pending):
+                    self.pool.shutdown()
+                    return
+                pending = None
+                continue
+            if pending is None:
+                self.idle += time.monotonic() - waited
+            if item is not None:
+                batch, results = item
+                futures = [
+                    self.pool.submit(prepare_sample, self.run, todo, result)
+                    for todo, result in zip(batch, results, strict=True)
+                ]
+                del results  # the futures hold what each sample needs
+            if pending is not None and not self._settle(*pending):
+                if item is not None:
+                    self._discard(futures)
+                self.pool.shutdown()
+                return
             if item is None:
                 self.pool.shutdown()
                 return
-            batch, results = item
-            prepared, failed = self._prepare(batch, results)
+            pending = (batch, futures)
+
+    def _next(self, pending: tuple[list[Todo], list[Any]] | None) -> Any:
+        """The next batch (None: the end); with a batch on the pool, whichever
+        comes first: the next batch, or ``_SERIALIZED`` once every file of
+        the pending one is."""
+        if pending is None:
+            return self.queue.get()
+        while not all(future.done() for future in pending[1]):
             try:
-                commit(self.run, prepared)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                failed = failed or (batch[0], exc)
-                prepared = []
-            tokens = sum(len(p.todo) for p in prepared)
-            self.written += len(prepared)
-            self.tokens += tokens
-            self.progress.update(len(prepared), tokens)
-            if failed is not None:
-                todo, exc = failed
-                self.error = SpecShimError(
-                    f"writing data_{todo.index}.pt failed "
-                    f"({type(exc).__name__}: {exc}); the run stopped. The "
-                    f"{self.written} samples it wrote are complete: fix the "
-                    "cause (disk space, quota, permissions) and rerun the "
-                    "same command to resume."
-                )
-                self.error.__cause__ = exc
-                self.pool.shutdown()
-                return
+                return self.queue.get(timeout=0.005)
+            except queue.Empty:
+                continue
+        return _SERIALIZED
+
+    def _settle(self, batch: list[Todo], futures: list[Any]) -> bool:
+        """Commit a batch whose files the pool serializes; False (and
+        ``error`` set) where it failed."""
+        started = time.monotonic()
+        prepared, failed = self._prepare(batch, futures)
+        committed = time.monotonic()
+        self.serializing += committed - started
+        try:
+            commit(self.run, prepared)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            failed = failed or (batch[0], exc)
+            prepared = []
+        self.committing += time.monotonic() - committed
+        tokens = sum(len(p.todo) for p in prepared)
+        self.written += len(prepared)
+        self.tokens += tokens
+        self.progress.update(len(prepared), tokens)
+        if failed is None:
+            return True
+        todo, exc = failed
+        self.error = SpecShimError(
+            f"writing data_{todo.index}.pt failed "
+            f"({type(exc).__name__}: {exc}); the run stopped. The "
+            f"{self.written} samples it wrote are complete: fix the "
+            "cause (disk space, quota, permissions) and rerun the "
+            "same command to resume."
+        )
+        self.error.__cause__ = exc
+        return False
+
+    @staticmethod
+    def _discard(futures: list[Any]) -> None:
+        """A later batch's files, serialized while an earlier batch failed:
+        removed, never committed."""
+        for future in futures:
+            try:
+                future.result().tmp.unlink(missing_ok=True)
+            except BaseException:  # noqa: BLE001 - its file is not kept either
+                pass
 
     def _prepare(
-        self, batch: list[Todo], results: list[dict[str, Any]]
+        self, batch: list[Todo], futures: list[Any]
     ) -> tuple[list[Prepared], tuple[Todo, BaseException] | None]:
-        """Serialize the batch on the pool; the samples before the first
-        failure (in sample order), and that failure. Files after it are
-        removed: a batch is committed in order, up to its first failure."""
-        futures = [
-            self.pool.submit(prepare_sample, self.run, todo, result)
-            for todo, result in zip(batch, results, strict=True)
-        ]
+        """The batch's files once the pool has serialized them: the samples
+        before the first failure (in sample order), and that failure. Files
+        after it are removed: a batch is committed in order, up to its first
+        failure."""
         prepared: list[Prepared] = []
         failed: tuple[Todo, BaseException] | None = None
         for todo, future in zip(batch, futures, strict=True):
