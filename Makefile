@@ -8,7 +8,7 @@ UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.specshim-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-extended test-unit test-e2e test-gpu test-export test-matrix bench bench-extract bench-gpu bench-transport demo doctor lint clean
+.PHONY: setup test test-extended test-unit test-e2e test-gpu test-export test-matrix bench bench-extract bench-gpu bench-transport bench-writer demo doctor lint clean
 
 setup: $(STAMP)
 
@@ -97,6 +97,14 @@ BENCH_GPU_ARGS ?=
 GPU_PYTHON ?= $(firstword $(wildcard $(GPU_VENV)/bin/python $(PY)) $(PYTHON))
 bench-gpu:
 	$(GPU_PYTHON) benchmarks/gpu_bench.py --model $(MODEL) $(BENCH_GPU_ARGS)
+
+# extract's writer alone, from states in memory, against a plain write of the
+# same bytes on the same disk (and torch.save's bytes written in fewer calls);
+# writes benchmarks/results/writer.{json,md}. ~1 min; on the lent H200 run
+# `python3 benchmarks/writer_bench.py` in the installed bundle.
+BENCH_WRITER_ARGS ?=
+bench-writer: setup
+	$(PY) benchmarks/writer_bench.py $(BENCH_WRITER_ARGS)
 
 # The CPU proxy of the GPU figures: one call's states from a worker process to
 # the main one, pickled (speculators' path) and through state-transport's

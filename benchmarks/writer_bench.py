@@ -1,0 +1,247 @@
+"""``make bench-writer``: extract's writer alone, against a plain write.
+
+From states already in memory (random bfloat16, one tensor of its own per
+layer and sample, as ``generate()`` hands them over), on one disk:
+
+* ``plain``: the same bytes, one file per sample, written in one thread with
+  ``open``/``write``/``close``: what the disk takes without any format.
+* ``writer``: ``specshim.job.writer.Writer`` itself, as ``extract`` drives it:
+  batches put one at a time, ``prepare_sample`` on its pool, the manifest
+  fsynced per batch, every file renamed into place. The files are the ones
+  ``extract`` writes (tests/unit/test_writer_bench.py compares them byte for
+  byte).
+* ``writer, busy main thread``: the same, while another Python thread loops
+  as vLLM's reply wait does in ``extract``'s main process (``sched_yield``
+  between checks of a flag): it holds the GIL most of the time, which the
+  pool's threads need between their system calls.
+
+Each is timed from the first byte to the last file renamed (or closed), into
+the page cache (no fsync of the data files: a file is done when the manifest
+describes it, see docs/output.md). GB/s counts the states' bytes only.
+Usage:
+
+    python3 benchmarks/writer_bench.py [--hidden 2048 --layers 3 --samples 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import threading
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+BATCH = 32
+
+
+def samples(
+    count: int,
+    hidden: int,
+    layers: int,
+    seed: int = 0,
+    vocab: int = 32000,
+    lengths: tuple[int, int] = (256, 1535),
+) -> list[Any]:
+    """(Todo, result) pairs of ``count`` samples of 256 to 1,535 tokens."""
+    import torch
+
+    from specshim.job.feed import Todo
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    pairs = []
+    for index in range(count):
+        tokens = rng.randint(*lengths)
+        ids = [rng.randrange(vocab // 2, vocab) for _ in range(tokens)]
+        todo = Todo(
+            index=index,
+            where=f"bench:{index}",
+            record=f"r{index}",
+            tokens=f"t{index}",
+            input_ids=array("i", ids),
+            loss_mask=array("b", [1] * tokens),
+        )
+        states = [
+            torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+            for _ in range(layers)
+        ]
+        result = {
+            "input_ids": torch.tensor(ids, dtype=torch.long),
+            "hidden_states": states,
+            "loss_mask": None,
+        }
+        pairs.append((todo, result))
+    return pairs
+
+
+def state_bytes(pairs: list[Any]) -> int:
+    return sum(
+        h.numel() * h.element_size() for _, r in pairs for h in r["hidden_states"]
+    )
+
+
+def write_plain(pairs: list[Any], where: Path) -> float:
+    """Seconds to write each sample's state bytes to a file of its own."""
+    where.mkdir(parents=True, exist_ok=True)
+    views = [
+        [h.view(-1).view(_uint8()).numpy() for h in r["hidden_states"]]
+        for _, r in pairs
+    ]
+    start = time.perf_counter()
+    for (todo, _), parts in zip(pairs, views, strict=True):
+        with open(where / f"plain_{todo.index}", "wb") as handle:
+            for part in parts:
+                handle.write(part)
+    return time.perf_counter() - start
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def write_with_writer(
+    pairs: list[Any], out: Path, busy: bool = False, save: Any = None
+) -> float:
+    """Seconds for extract's writer to write and commit every sample into
+    ``out`` (a fresh output directory), the main thread only handing batches
+    over; ``busy``: while a thread spins on the GIL as vLLM's reply wait does;
+    ``save``: in place of ``torch.save`` (the same bytes)."""
+    from specshim.job import store
+    from specshim.job import writer as _writer
+    from specshim.job.writer import Progress, Writer
+
+    if save is not None:
+        default, _writer.save_file = _writer.save_file, save
+
+    store.prepare_out(out)
+    run = store.Run(out, {"shard": [0, 1]})
+    run.start()
+    stop = threading.Event()
+    spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
+    try:
+        if busy:
+            spinner.start()
+        start = time.perf_counter()
+        writer = Writer(run, Progress(False))
+        for first in range(0, len(pairs), BATCH):
+            chunk = pairs[first : first + BATCH]
+            writer.put([t for t, _ in chunk], [r for _, r in chunk])
+        writer.finish()
+        seconds = time.perf_counter() - start
+    finally:
+        stop.set()
+        if busy:
+            spinner.join()
+        run.close()
+        if save is not None:
+            _writer.save_file = default
+    if writer.written != len(pairs):
+        raise RuntimeError(f"the writer wrote {writer.written} of {len(pairs)}")
+    return seconds
+
+
+def _spin(stop: threading.Event) -> None:
+    """vLLM's ``MessageQueue.acquire_read`` while a step runs: check a flag,
+    ``sched_yield``, again (shm_broadcast.py, the busy-loop phase)."""
+    flags = bytearray(8)
+    while not stop.is_set():
+        for _ in range(64):
+            if flags[0]:
+                break
+            os.sched_yield()
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from specshim.job.writer import writers
+
+    pairs = samples(args.samples, args.hidden, args.layers)
+    nbytes = state_bytes(pairs)
+    found: dict[str, Any] = {
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "samples": args.samples,
+        "state_bytes": nbytes,
+        "threads": writers(),
+        "cpus": os.cpu_count(),
+        "dir": str(args.dir),
+        "passes": args.passes,
+    }
+    from torch_file import save
+
+    runs = {
+        "plain": lambda d: write_plain(pairs, d),
+        "writer": lambda d: write_with_writer(pairs, d),
+        "writer, busy main thread": lambda d: write_with_writer(pairs, d, busy=True),
+        "torch_file": lambda d: write_with_writer(pairs, d, save=save),
+        "torch_file, busy main thread": lambda d: write_with_writer(
+            pairs, d, busy=True, save=save
+        ),
+    }
+    for label, run in runs.items():
+        best = None
+        for _ in range(args.passes):
+            where = args.dir / "run"
+            shutil.rmtree(where, ignore_errors=True)
+            seconds = run(where)
+            best = seconds if best is None else min(best, seconds)
+            shutil.rmtree(where, ignore_errors=True)
+        found[label] = round(nbytes / best / 1e9, 3)
+        print(f"{label}: {found[label]} GB/s", flush=True)
+    for label in list(runs)[1:]:
+        found[f"{label} / plain"] = round(found[label] / found["plain"], 3)
+    return found
+
+
+def render(found: dict[str, Any]) -> str:
+    labels = [k.removesuffix(" / plain") for k in found if k.endswith(" / plain")]
+    rows = "\n".join(
+        f"| {label} | {found[label]} | {found[label + ' / plain']} |"
+        for label in labels
+    )
+    return (
+        "# make bench-writer\n\n"
+        f"{found['samples']} samples of {found['layers']} layers x "
+        f"{found['hidden']} (bfloat16, 256 to 1,535 tokens), "
+        f"{found['state_bytes'] / 1e9:.2f} GB of states, into {found['dir']} "
+        f"(page cache, no fsync of the data files); the writer's pool had "
+        f"{found['threads']} threads on {found['cpus']} CPUs; best of "
+        f"{found['passes']} passes. `torch_file` is benchmarks/torch_file.py "
+        "(the same bytes as torch.save).\n\n"
+        f"Plain write of the same bytes, one thread: {found['plain']} GB/s.\n\n"
+        "| extract's writer | GB/s | ÷ plain |\n|---|---:|---:|\n"
+        f"{rows}\n\n"
+        f"Host: {found.get('host', 'unknown')}; {found.get('date', '')}.\n"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/specshim-bench-writer"))
+    parser.add_argument("--results", type=Path, default=HERE / "results")
+    parser.add_argument("--label", default="", help="names the host in the results")
+    args = parser.parse_args()
+    found = measure(args)
+    found["host"] = args.label or os.uname().nodename
+    found["date"] = time.strftime("%Y-%m-%d")
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "writer.json").write_text(json.dumps(found, indent=2) + "\n")
+    (args.results / "writer.md").write_text(render(found))
+    print(render(found))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
