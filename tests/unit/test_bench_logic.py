@@ -19,7 +19,7 @@ def bench():
         yield importlib.import_module
     finally:
         sys.path.remove(str(BENCHMARKS))
-        for name in ("judge", "plan", "render"):
+        for name in ("judge", "plan", "render", "gpu_summary", "gpu_models"):
             sys.modules.pop(name, None)
 
 
@@ -119,3 +119,50 @@ def test_performance_page_block_is_the_committed_results_table(render):
     assert render.RESULTS_BLOCK.read(page.read_text()) == render.results_block(
         data, page
     )
+
+
+def test_bench_gpu_counts_the_peer_at_its_best_and_judges_the_targets(bench):
+    """The faster of the peer's two settings counts; each target applies to
+    its models; the table and its notes say which setting and what binds."""
+    summary_module = bench("gpu_summary")
+    tokens = 1_000_000
+    parts = {
+        "prefill@default": {"seconds": 4.0, "passes": [4.2, 4.0], "settings": {}},
+        "prefill@0.8": {"seconds": 5.0, "passes": [5.0, 5.1], "settings": {}},
+        "native@default": {"seconds": 5.0, "passes": [5.0, 5.0]},
+        "native@0.8": {"seconds": 4.5, "passes": [4.5, 4.6]},
+        "generate": {"seconds": 4.6, "passes": [4.6, 4.7]},
+        "extract": {
+            "seconds": 5.0,
+            "timing": {
+                "total": 5.0,
+                "generate": 4.5,
+                "handing": 0.4,
+                "writer_idle": 0.1,
+                "threads": 8.0,
+                "writer_serializing": 4.8,
+                "writer_committing": 0.1,
+            },
+        },
+        "disk": {"nofsync_bytes_per_s": 3e9, "fsync_bytes_per_s": 1e9},
+    }
+    s = summary_module.summarise("llama-1b", parts, tokens)
+    assert (s["prefill"], s["prefill_utilization"]) == (250_000, "default")
+    assert (s["native"], s["native_utilization"]) == (222_222, "0.8")
+    assert s["extract_vs_native"] == 0.9 and s["generate_vs_prefill"] == 0.8696
+    assert s["targets"] == {
+        "generate >= 0.85 x prefill": True,
+        "extract >= 0.9 x generate": True,
+        "extract >= 0.85 x native": True,
+        "stretch: extract >= native": False,
+    }
+    mla = summary_module.summarise(
+        "kimi-mla", {k: v for k, v in parts.items() if "native" not in k}, tokens
+    )
+    assert "extract >= 0.8 x prefill" in mla["targets"]
+    assert not any("native" in k for k in mla["targets"])
+    text = summary_module.render({"llama-1b": s, "kimi-mla": mla})
+    assert "| llama-1b | 250,000 | 222,222 | 217,391 | 200,000 | 0.9 |" in text
+    assert "prefill: default, native: 0.8" in text
+    assert "stretch: extract >= native: missed" in text
+    assert "generate() took 4.5 s" in text

@@ -1,0 +1,272 @@
+"""``make bench-gpu``'s measurements, each run in a process of its own by
+``gpu_bench.py --part NAME`` (an engine per process, as a user runs them).
+Each returns a dict the driver reads from the process's last ``BENCH`` line.
+
+The peer at its best: ``prefill`` and ``native`` warm up on one batch, then
+time ``PASSES`` passes over the whole data set and keep the fastest; the
+driver runs each at vLLM's default ``gpu_memory_utilization`` and at the one
+``extract`` uses, and counts the faster."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from gpu_models import MODELS, build_model, state_bytes_per_token
+
+MAX_MODEL_LEN = 2048
+BATCH = 32
+PASSES = 2
+EXTRACT_UTILIZATION = 0.8  # extract's default (specshim.job.options)
+
+
+def _engine(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's engine as the reference runs it: eager, no prefix caching (as
+    speculators' generator runs it), at ``--util`` where given."""
+    engine = {
+        "model": str(args.model_dir),
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "max_model_len": MAX_MODEL_LEN,
+        "skip_tokenizer_init": True,
+    }
+    if args.util != "default":
+        engine["gpu_memory_utilization"] = float(args.util)
+    return engine
+
+
+def _best(passes: list[float]) -> dict[str, Any]:
+    return {"seconds": min(passes), "passes": [round(p, 3) for p in passes]}
+
+
+def part_prefill(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**_engine(args))
+    params = SamplingParams(max_tokens=1, detokenize=False)
+    prompts = [{"prompt_token_ids": ids} for ids in data]
+    llm.generate(prompts[:BATCH], params, use_tqdm=False)  # warm-up
+    passes = []
+    for _ in range(PASSES):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        passes.append(time.perf_counter() - start)
+    return _best(passes) | _settings(llm)
+
+
+def _settings(llm: Any) -> dict[str, Any]:
+    """The engine's settings in force, named in the results."""
+    config = getattr(llm.llm_engine, "vllm_config", None)
+    if config is None:
+        return {"settings": "unknown (no llm_engine.vllm_config)"}
+    return {
+        "settings": {
+            "gpu_memory_utilization": config.cache_config.gpu_memory_utilization,
+            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+            "max_num_seqs": config.scheduler_config.max_num_seqs,
+            "enforce_eager": config.model_config.enforce_eager,
+            "prefix_caching": config.cache_config.enable_prefix_caching,
+        }
+    }
+
+
+def part_native(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
+    """vLLM's own extraction, each pass timed until every file is whole."""
+    from vllm import LLM, SamplingParams
+
+    out = args.work / "native"
+    shutil.rmtree(out, ignore_errors=True)  # the disk holds one set
+    out.mkdir(parents=True)
+    ids = [k + 1 for k in MODELS[args.model][2]]  # residual after k + 1 layers
+    llm = LLM(
+        **_engine(args),
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": ids}
+            },
+        },
+        kv_transfer_config={
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(out)},
+        },
+    )
+    params = SamplingParams(max_tokens=1, detokenize=False)
+    prompts = [{"prompt_token_ids": ids} for ids in data]
+    _native_pass(llm, prompts[:BATCH], params, out)  # warm-up
+    passes, size = [], 0
+    for _ in range(PASSES):
+        seconds, size = _native_pass(llm, prompts, params, out)
+        passes.append(seconds)
+    return _best(passes) | {"bytes": size} | _settings(llm)
+
+
+def _native_pass(llm: Any, prompts: list[Any], params: Any, out: Any) -> tuple:
+    """Seconds until every file is written (the writer holds each file's lock
+    until it is whole), and their bytes; the files are removed after."""
+    import fcntl
+
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    paths = [o.kv_transfer_params["hidden_states_path"] for o in outputs]
+    for path in paths:
+        with open(path + ".lock") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+    seconds = time.perf_counter() - start
+    size = sum(os.path.getsize(p) for p in paths)
+    for entry in out.iterdir():
+        entry.unlink()
+    return seconds, size
+
+
+def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
+    """speculators' generate() with specshim, batches of 32, no files."""
+    import importlib
+
+    import specshim  # noqa: F401  (first: it arms the patches speculators needs)
+    from specshim.testing.worker_probes import backends
+
+    generator = importlib.import_module(
+        "speculators.data_generation"
+    ).VllmHiddenStatesGenerator(
+        str(args.model_dir),
+        layer_ids=MODELS[args.model][2],
+        max_model_len=MAX_MODEL_LEN,
+        gpu_memory_utilization=EXTRACT_UTILIZATION,
+    )
+    batches = [data[i : i + BATCH] for i in range(0, len(data), BATCH)]
+    generator.generate(batches[0])  # warm-up
+    passes = []
+    for _ in range(PASSES):
+        start = time.perf_counter()
+        for batch in batches:
+            results = generator.generate(batch)
+            del results
+        passes.append(time.perf_counter() - start)
+    found = _best(passes) | {"backends": generator.executor.collective_rpc(backends)[0]}
+    if args.profile:
+        found["profile"] = _profiled(generator, batches[: args.profile])
+    generator.executor.shutdown()
+    return found
+
+
+def _profiled(generator: Any, batches: list[Any]) -> str:
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for batch in batches:
+        generator.generate(batch)
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()[-6000:]
+
+
+_TIMING = re.compile(
+    r"of ([\d.]+) s after the first generate\(\): generate\(\) ([\d.]+) s, handing "
+    r"batches to the writer ([\d.]+) s; the writer waited for batches ([\d.]+) s, "
+    r"for its (\d+) threads' files ([\d.]+) s, and committed ([\d.]+) s"
+)
+
+
+def part_extract(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
+    """``specshim extract`` end to end; its own rate (from the first
+    generate()) and its closing line of where the time went."""
+    out = args.work / "extract-out"
+    shutil.rmtree(out, ignore_errors=True)
+    layers = ",".join(str(k) for k in MODELS[args.model][2])
+    command = [
+        *(sys.executable, "-m", "specshim", "extract"),
+        *("--model", str(args.model_dir), "--data", str(args.work / "data.jsonl")),
+        *("--out", str(out), "--layers", layers),
+        *("--max-model-len", str(MAX_MODEL_LEN), "--batch-size", str(BATCH)),
+    ]
+    if args.budget:
+        command += ["--max-batched-tokens", str(args.budget)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    name = f"extract{'@' + str(args.budget) if args.budget else ''}-{args.model}"
+    (args.results / f"{name}.specshim.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"extract exited {done.returncode}: {done.stderr[-800:]}")
+    line = [x for x in done.stdout.splitlines() if x.startswith("extract: wrote")][-1]
+    rate = float(line.rsplit(" at ", 1)[1].split(" tok/s")[0].replace(",", ""))
+    tokens = sum(len(ids) for ids in data)
+    size = sum(p.stat().st_size for p in out.glob("data_*.pt"))
+    shutil.rmtree(out, ignore_errors=True)  # the next part's disk space
+    found = {"seconds": tokens / rate, "bytes": size, "line": line}
+    timing = _TIMING.search(done.stderr)
+    if timing:
+        keys = ("total", "generate", "handing", "writer_idle", "threads")
+        keys += ("writer_serializing", "writer_committing")
+        found["timing"] = dict(zip(keys, map(float, timing.groups()), strict=True))
+    return found
+
+
+def part_disk(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
+    """bytes/s writing files the size of an average sample's: into the page
+    cache with 1 to 16 threads (as native's 8 writer threads do; the best
+    counts), and with an fsync per file from one thread."""
+    per_token = state_bytes_per_token(args.model)
+    size = int(per_token * sum(map(len, data)) / len(data))
+    count = max(16, (4 << 30) // size)
+    where = args.work / "disk"
+    where.mkdir(parents=True, exist_ok=True)
+    payload = os.urandom(size)
+    found: dict[str, Any] = {"file_bytes": size, "files": count, "threads": {}}
+    for threads in (1, 2, 4, 8, 16):
+        found["threads"][threads] = _write_files(where, payload, count, threads)
+    best = max(found["threads"], key=found["threads"].get)
+    found["nofsync_bytes_per_s"] = found["threads"][best]
+    found["nofsync_threads"] = best
+    found["fsync_bytes_per_s"] = _write_files(where, payload, count // 4, 1, True)
+    return found
+
+
+def _write_files(where: Any, payload: bytes, count: int, threads: int, sync=False):
+    def write(first: int) -> None:
+        for i in range(first, count, threads):
+            with open(where / f"f{i}", "wb") as handle:
+                handle.write(payload)
+                if sync:
+                    handle.flush()
+                    os.fsync(handle.fileno())
+
+    workers = [threading.Thread(target=write, args=(k,)) for k in range(threads)]
+    start = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    rate = len(payload) * count / (time.perf_counter() - start)
+    for i in range(count):
+        os.unlink(where / f"f{i}")
+    return rate
+
+
+def part_build(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
+    """In a process of its own: the GPU memory it used is free for the rest."""
+    build_model(args.model, args.model_dir)
+    return {"model": str(args.model_dir)}
+
+
+PARTS = {
+    "build": part_build,
+    "prefill": part_prefill,
+    "native": part_native,
+    "generate": part_generate,
+    "generate-v1": part_generate,
+    "extract": part_extract,
+    "disk": part_disk,
+}

@@ -1,0 +1,206 @@
+"""``make bench-gpu``'s figures: rates, ratios against the engine's own speed,
+issue 45's targets, and ``gpu.md``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from gpu_models import MODELS, state_bytes_per_token
+
+# The targets each model's run is held to (docs/performance.md).
+LLAMA_EXTRACT_VS_NATIVE = 0.85
+MLA_EXTRACT_VS_PREFILL = 0.8
+GENERATE_VS_PREFILL = 0.85
+EXTRACT_VS_GENERATE = 0.9
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a and b else None
+
+
+def _peer(rate: dict[str, float], name: str) -> tuple[float | None, str | None]:
+    """The faster of ``name@default`` and ``name@<extract's utilization>``."""
+    runs = {k.split("@", 1)[1]: v for k, v in rate.items() if k.startswith(name + "@")}
+    if not runs:
+        return rate.get(name), None
+    setting = max(runs, key=runs.__getitem__)
+    return runs[setting], setting
+
+
+def targets(model: str, r: dict[str, Any]) -> dict[str, bool | None]:
+    """Each of issue 45's targets that applies to ``model``: met, missed, or
+    None where a figure is missing."""
+
+    def at_least(value: float | None, bound: float) -> bool | None:
+        return None if value is None else value >= bound
+
+    found = {
+        f"generate >= {GENERATE_VS_PREFILL} x prefill": at_least(
+            r["generate_vs_prefill"], GENERATE_VS_PREFILL
+        ),
+        f"extract >= {EXTRACT_VS_GENERATE} x generate": at_least(
+            r["extract_vs_generate"], EXTRACT_VS_GENERATE
+        ),
+    }
+    if MODELS[model][0] == "llama":
+        found[f"extract >= {LLAMA_EXTRACT_VS_NATIVE} x native"] = at_least(
+            r["extract_vs_native"], LLAMA_EXTRACT_VS_NATIVE
+        )
+    else:
+        found[f"extract >= {MLA_EXTRACT_VS_PREFILL} x prefill"] = at_least(
+            r["extract_vs_prefill"], MLA_EXTRACT_VS_PREFILL
+        )
+    if model == "llama-1b":
+        found["stretch: extract >= native"] = at_least(r["extract_vs_native"], 1.0)
+    return found
+
+
+def summarise(model: str, parts: dict[str, Any], tokens: int) -> dict[str, Any]:
+    per_token = state_bytes_per_token(model)
+    rate = {
+        name: tokens / found["seconds"]
+        for name, found in parts.items()
+        if "seconds" in found
+    }
+    prefill, prefill_setting = _peer(rate, "prefill")
+    native, native_setting = _peer(rate, "native")
+    disk = parts.get("disk", {})
+    extract = rate.get("extract")
+    summary = {
+        "model": model,
+        "tokens": tokens,
+        "state_bytes_per_token": per_token,
+        "tok_per_s": {k: round(v) for k, v in rate.items()},
+        "prefill": round(prefill) if prefill else None,
+        "prefill_utilization": prefill_setting,
+        "native": round(native) if native else None,
+        "native_utilization": native_setting,
+        "settings": {k: v["settings"] for k, v in parts.items() if "settings" in v},
+        "disk": disk,
+        "disk_tok_per_s": {
+            k: round(disk[f"{k}_bytes_per_s"] / per_token)
+            for k in ("nofsync", "fsync")
+            if f"{k}_bytes_per_s" in disk
+        },
+        "extract_vs_native": _ratio(extract, native),
+        "extract_vs_prefill": _ratio(extract, prefill),
+        "generate_vs_prefill": _ratio(rate.get("generate"), prefill),
+        "extract_vs_generate": _ratio(extract, rate.get("generate")),
+        "native_vs_prefill": _ratio(native, prefill),
+        "extract_timing": {k: v["timing"] for k, v in parts.items() if "timing" in v},
+        "passes": {k: v["passes"] for k, v in parts.items() if "passes" in v},
+        "errors": {k: v["error"] for k, v in parts.items() if "error" in v},
+        "backends": parts.get("generate", {}).get("backends"),
+        "stack": _stack(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    summary["targets"] = targets(model, summary)
+    return summary
+
+
+def _stack() -> dict[str, str]:
+    import importlib.metadata as md
+
+    found = {}
+    for name in ("vllm", "torch", "transformers", "speculators", "specshim"):
+        try:
+            found[name] = md.version(name)
+        except md.PackageNotFoundError:
+            found[name] = "absent"
+    try:
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+    except OSError:
+        gpu = "unknown"
+    found["gpu"] = gpu
+    return found
+
+
+def write_results(results: Path, summary: dict[str, Any]) -> None:
+    path = results / "gpu.json"
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged[summary["model"]] = summary
+    path.write_text(json.dumps(merged, indent=2) + "\n")
+    (results / "gpu.md").write_text(render(merged))
+
+
+def _f(value: Any) -> str:
+    if isinstance(value, int):
+        return f"{value:,}"
+    return "—" if value is None else str(value)
+
+
+def render(merged: dict[str, Any]) -> str:
+    rows = [
+        "| model | prefill | native | generate() | extract | extract ÷ native | "
+        "extract ÷ prefill | generate ÷ prefill | extract ÷ generate | "
+        "disk, page cache / fsync |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    notes = []
+    for name, s in merged.items():
+        r, d = s["tok_per_s"], s["disk_tok_per_s"]
+        rows.append(
+            f"| {name} | {_f(s.get('prefill') or r.get('prefill'))} | "
+            f"{_f(s.get('native') or r.get('native'))} | "
+            f"{_f(r.get('generate'))} | {_f(r.get('extract'))} | "
+            f"{_f(s['extract_vs_native'])} | {_f(s.get('extract_vs_prefill'))} | "
+            f"{_f(s['generate_vs_prefill'])} | {_f(s['extract_vs_generate'])} | "
+            f"{_f(d.get('nofsync'))} / {_f(d.get('fsync'))} |"
+        )
+        notes += _notes(name, s)
+    first = next(iter(merged.values()))
+    stack = ", ".join(f"{k} {v}" for k, v in first["stack"].items())
+    return (
+        "# make bench-gpu\n\nTokens per second of the same data set (start-up "
+        "excluded); disk figures are tokens' worth of states per second.\n\n"
+        + "\n".join(rows)
+        + "\n\n"
+        + "\n".join(notes)
+        + f"\n\nStack: {stack}; {first['date']}.\n"
+    )
+
+
+def _notes(name: str, s: dict[str, Any]) -> list[str]:
+    """What each row's figures are made of, in words."""
+    notes = []
+    if s.get("prefill_utilization"):
+        notes.append(
+            f"- {name}: prefill and native are the best of "
+            f"{len(next(iter(s['passes'].values()), []))} timed passes after a "
+            "warm-up, each at vLLM's default gpu_memory_utilization and at "
+            f"extract's; the faster counts (prefill: {s['prefill_utilization']}, "
+            f"native: {s.get('native_utilization') or 'none'}). Settings: "
+            + json.dumps(s.get("settings", {}))
+        )
+    for label, timing in (s.get("extract_timing") or {}).items():
+        notes.append(
+            f"- {name}: of {label}'s {timing['total']} s, generate() took "
+            f"{timing['generate']} s and handing batches to the writer "
+            f"{timing['handing']} s; its {int(timing['threads'])} writer threads "
+            f"were busy {timing['writer_serializing']} s, committing "
+            f"{timing['writer_committing']} s, idle {timing['writer_idle']} s."
+        )
+    met = s.get("targets") or {}
+    if met:
+        notes.append(
+            f"- {name}: "
+            + "; ".join(
+                f"{k}: {'met' if v else 'missed' if v is False else 'not measured'}"
+                for k, v in met.items()
+            )
+        )
+    if s.get("sources"):
+        parts = ", ".join(f"{k}: {v}" for k, v in s["sources"].items())
+        notes.append(f"- {name}'s figures came from these runs: {parts}.")
+    if s.get("errors"):
+        notes.append(f"- {name}: failed parts: {json.dumps(s['errors'])[:400]}")
+    return notes
