@@ -92,7 +92,11 @@ def spawn(args: argparse.Namespace, part: str, **options: Any) -> dict[str, Any]
 
 
 def run_parts(args: argparse.Namespace) -> dict[str, Any]:
-    parts: dict[str, Any] = {}
+    """The parts named by ``--parts``, added to what earlier runs of this
+    model on this checkpoint and data found (a lent host's calls are 10
+    minutes each: a model's parts can span calls)."""
+    kept = args.work / f"parts-{args.model}.json"
+    parts: dict[str, Any] = json.loads(kept.read_text()) if kept.exists() else {}
     for part in args.parts.split(","):
         if part == "native" and MODELS[args.model][0] == "deepseek_v3":
             parts[part] = {"error": "vLLM's native extraction refuses MLA models"}
@@ -106,6 +110,7 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
                 parts[f"extract@{budget}"] = spawn(args, part, budget=budget)
         else:
             parts[part] = spawn(args, part)
+        kept.write_text(json.dumps(parts))
     return parts
 
 
@@ -151,7 +156,11 @@ def main() -> int:
     args.results.mkdir(parents=True, exist_ok=True)
     samples = args.samples or SAMPLES.get(args.model, 1024)
     log(f"{args.model}: building the checkpoint and {samples} samples")
-    tokens = sum(map(len, build_data(args.work / "data.jsonl", samples)))
+    data = args.work / "data.jsonl"
+    before = data.read_bytes() if data.exists() else b""
+    tokens = sum(map(len, build_data(data, samples)))
+    if data.read_bytes() != before or not args.model_dir.exists():
+        (args.work / f"parts-{args.model}.json").unlink(missing_ok=True)
     if "error" in spawn(args, "build"):
         return 1
     summary = summarise(args.model, run_parts(args), tokens)
