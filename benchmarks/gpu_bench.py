@@ -104,10 +104,10 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         if part in PEERS:
             for util in ("default", str(EXTRACT_UTILIZATION)):
                 parts[f"{part}@{util}"] = spawn(args, part, util=util)
-        elif part == "extract" and args.budgets:
+        elif part in ("generate", "extract") and args.budgets:
             parts[part] = spawn(args, part)
             for budget in args.budgets.split(","):
-                parts[f"extract@{budget}"] = spawn(args, part, budget=budget)
+                parts[f"{part}@{budget}"] = spawn(args, part, budget=budget)
         else:
             parts[part] = spawn(args, part)
         kept.write_text(json.dumps(parts))
@@ -124,7 +124,8 @@ def main() -> int:
     parser.add_argument(
         "--budgets",
         default="",
-        help="also run extract at these --max-batched-tokens (comma-separated)",
+        help="also run generate and extract at these tokens a step (extract's "
+        "--max-batched-tokens; comma-separated)",
     )
     parser.add_argument(
         "--profile",

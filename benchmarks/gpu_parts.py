@@ -129,9 +129,12 @@ def _native_pass(llm: Any, prompts: list[Any], params: Any, out: Any) -> tuple:
 
 
 def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
-    """speculators' generate() with specshim, batches of 32, no files."""
+    """speculators' generate() with specshim, batches of 32, no files; at
+    ``--budget`` tokens a step where given (extract's --max-batched-tokens)."""
     import importlib
 
+    if args.budget:
+        os.environ["SPECSHIM_MAX_BATCHED_TOKENS"] = str(args.budget)
     import specshim  # noqa: F401  (first: it arms the patches speculators needs)
     from specshim.testing.worker_probes import backends
 
