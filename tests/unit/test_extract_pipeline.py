@@ -644,3 +644,16 @@ def test_the_next_batch_serializes_while_one_commits(
     counts = extract(_options(model, data, tmp_path / "out"))
     assert counts["written"] == 12 and second_batch_saving.is_set()
     assert sorted(_written(tmp_path / "out")) == list(range(12))
+
+
+def test_the_rate_leaves_out_the_engines_shutdown(
+    tmp_path, tiny_model_dir, fake, monkeypatch
+):
+    """Like start-up, closing vLLM (seconds on a GPU host) is not extraction:
+    the rate counts from the first generate() to the last file committed."""
+    monkeypatch.setattr(_extract, "_shutdown", lambda generator: time.sleep(1.0))
+    model = tiny_model_dir("llama")
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [i + 1]} for i in range(8)])
+    counts = extract(_options(model, data, tmp_path / "out"))
+    assert counts["written"] == 8
+    assert counts["seconds"] < 0.9, counts["seconds"]

@@ -160,6 +160,7 @@ class _Pipeline:
         self.began = time.monotonic()
         self.first_generate: float | None = None  # seconds from the start
         self.generating = self.handing = 0.0  # in generate(), in writer.put
+        self.ended = 0.0  # when the last file was committed
 
     def run(self, feed: Feed) -> dict[str, Any]:
         batch: list[Todo] = []
@@ -173,6 +174,7 @@ class _Pipeline:
                 self._step(batch)
             if self.writer is not None:
                 self.writer.finish()
+                self.ended = time.monotonic()  # the engine's shutdown is not counted
         except BaseException:
             if self.writer is not None:
                 drain(self.writer)  # what was generated is still written
@@ -190,7 +192,7 @@ class _Pipeline:
         """What the run wrote, at what rate, and where its time went (logged:
         the run's own profile, first thing to read when it is slow)."""
         assert self.first_generate is not None
-        seconds = time.monotonic() - self.began - self.first_generate
+        seconds = self.ended - self.began - self.first_generate
         timing = {
             "generate": self.generating,
             "waiting_for_writer": self.handing,
