@@ -209,6 +209,9 @@ def part_extract(args: argparse.Namespace, data: list[list[int]]) -> dict[str, A
     size = sum(p.stat().st_size for p in out.glob("data_*.pt"))
     shutil.rmtree(out, ignore_errors=True)  # the next part's disk space
     found = {"seconds": tokens / rate, "bytes": size, "line": line}
+    budget = re.search(r"max_batched_tokens=(\d+) \(([^)]*)\)", done.stderr)
+    if budget:  # the step budget in force, and where it came from
+        found["max_batched_tokens"] = [int(budget.group(1)), budget.group(2)]
     timing = _TIMING.search(done.stderr)
     if timing:
         keys = ("total", "generate", "handing", "writer_idle", "threads")

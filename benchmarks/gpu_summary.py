@@ -11,6 +11,8 @@ from typing import Any
 
 from gpu_models import MODELS, state_bytes_per_token
 
+_PEERS = ("native", "prefill")
+
 # The targets each model's run is held to (docs/performance.md).
 LLAMA_EXTRACT_VS_NATIVE = 0.85
 MLA_EXTRACT_VS_PREFILL = 0.8
@@ -185,10 +187,29 @@ def _notes(name: str, s: dict[str, Any]) -> list[str]:
         notes.append(
             f"- {name}: of {label}'s {timing['total']} s, generate() took "
             f"{timing['generate']} s and handing batches to the writer "
-            f"{timing['handing']} s; its {int(timing['threads'])} writer threads "
-            f"were busy {timing['writer_serializing']} s, committing "
-            f"{timing['writer_committing']} s, idle {timing['writer_idle']} s."
+            f"{timing['handing']} s; the writer waited "
+            f"{timing['writer_serializing']} s for its {int(timing['threads'])} "
+            f"threads' files, committed {timing['writer_committing']} s and "
+            f"waited for batches {timing['writer_idle']} s."
         )
+    rates = s["tok_per_s"]
+    for budget in sorted({k.split("@")[1] for k in rates if "@" in k and k[0] != "p"}):
+        if budget.isdigit():
+            found = []
+            for part, peers in (("generate", ("prefill",)), ("extract", _PEERS)):
+                rate = rates.get(f"{part}@{budget}")
+                if rate:
+                    ratios = [
+                        f"{_ratio(rate, s[peer])} of {peer}"
+                        for peer in peers
+                        if s.get(peer)
+                    ]
+                    found.append(f"{part} {rate:,} ({', '.join(ratios)})")
+            notes.append(
+                f"- {name}: at {int(budget):,} tokens a step (extract's "
+                "--max-batched-tokens; the table's runs were given none): "
+                + ", ".join(found)
+            )
     met = s.get("targets") or {}
     if met:
         notes.append(

@@ -108,19 +108,12 @@ def _uint8() -> Any:
     return torch.uint8
 
 
-def write_with_writer(
-    pairs: list[Any], out: Path, busy: bool = False, save: Any = None
-) -> float:
+def write_with_writer(pairs: list[Any], out: Path, busy: bool = False) -> float:
     """Seconds for extract's writer to write and commit every sample into
     ``out`` (a fresh output directory), the main thread only handing batches
-    over; ``busy``: while a thread spins on the GIL as vLLM's reply wait does;
-    ``save``: in place of ``torch.save`` (the same bytes)."""
+    over; ``busy``: while a thread spins on the GIL as vLLM's reply wait does."""
     from specshim.job import store
-    from specshim.job import writer as _writer
     from specshim.job.writer import Progress, Writer
-
-    if save is not None:
-        default, _writer.save_file = _writer.save_file, save
 
     store.prepare_out(out)
     run = store.Run(out, {"shard": [0, 1]})
@@ -142,8 +135,6 @@ def write_with_writer(
         if busy:
             spinner.join()
         run.close()
-        if save is not None:
-            _writer.save_file = default
     if writer.written != len(pairs):
         raise RuntimeError(f"the writer wrote {writer.written} of {len(pairs)}")
     return seconds
@@ -175,16 +166,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "dir": str(args.dir),
         "passes": args.passes,
     }
-    from torch_file import save
-
     runs = {
         "plain": lambda d: write_plain(pairs, d),
         "writer": lambda d: write_with_writer(pairs, d),
         "writer, busy main thread": lambda d: write_with_writer(pairs, d, busy=True),
-        "torch_file": lambda d: write_with_writer(pairs, d, save=save),
-        "torch_file, busy main thread": lambda d: write_with_writer(
-            pairs, d, busy=True, save=save
-        ),
     }
     for label, run in runs.items():
         best = None
@@ -208,14 +193,13 @@ def render(found: dict[str, Any]) -> str:
         for label in labels
     )
     return (
-        "# make bench-writer\n\n"
+        f"## {found['layers']} layers x {found['hidden']}\n\n"
         f"{found['samples']} samples of {found['layers']} layers x "
         f"{found['hidden']} (bfloat16, 256 to 1,535 tokens), "
         f"{found['state_bytes'] / 1e9:.2f} GB of states, into {found['dir']} "
         f"(page cache, no fsync of the data files); the writer's pool had "
         f"{found['threads']} threads on {found['cpus']} CPUs; best of "
-        f"{found['passes']} passes. `torch_file` is benchmarks/torch_file.py "
-        "(the same bytes as torch.save).\n\n"
+        f"{found['passes']} passes.\n\n"
         f"Plain write of the same bytes, one thread: {found['plain']} GB/s.\n\n"
         "| extract's writer | GB/s | ÷ plain |\n|---|---:|---:|\n"
         f"{rows}\n\n"
@@ -237,8 +221,13 @@ def main() -> int:
     found["host"] = args.label or os.uname().nodename
     found["date"] = time.strftime("%Y-%m-%d")
     args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "writer.json").write_text(json.dumps(found, indent=2) + "\n")
-    (args.results / "writer.md").write_text(render(found))
+    path = args.results / "writer.json"
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged[f"{found['layers']} x {found['hidden']}"] = found  # by shape
+    path.write_text(json.dumps(merged, indent=2) + "\n")
+    (args.results / "writer.md").write_text(
+        "# make bench-writer\n\n" + "\n".join(map(render, merged.values()))
+    )
     print(render(found))
     return 0
 

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
-from specshim._settings import KNOBS, STEP_DEFAULTS
+from specshim._settings import GPU_STEP_DEFAULTS, KNOBS, STEP_DEFAULTS
 from specshim._versions import TESTED_VLLM
 
 Handler = Callable[[argparse.Namespace], int]
@@ -162,7 +162,7 @@ def _extract_engine_flags(
             knob.flag,
             type=knob.kind,
             help=f"{knob.meaning} (speculators: {knob.speculators}; default "
-            f"{STEP_DEFAULTS[knob.name]}, or {knob.env})",
+            f"{STEP_DEFAULTS[knob.name]}{_on_a_gpu(knob.name)}, or {knob.env})",
         )
     extract.add_argument(
         "--gpu-memory-utilization",
@@ -385,3 +385,8 @@ def _add_table(
         "--drift", action="store_true", help="print the drift table instead"
     )
     table.set_defaults(func=handlers["table"])
+
+
+def _on_a_gpu(name: str) -> str:
+    value = GPU_STEP_DEFAULTS.get(name)
+    return "" if value is None else f" ({value} on a GPU)"

@@ -96,6 +96,13 @@ STEP_DEFAULTS = {
 }
 DEFAULT_BATCH_SIZE = 32
 
+# extract's step budget on a GPU, where larger steps are faster: chosen by
+# `make bench-gpu` (benchmarks/results/gpu.md: on the H200, 32,768 tokens a
+# step ran extract 9% faster on the 1.2B Llama, 14% on the Kimi-like MLA MoE
+# and within 1% on the Kimi-width one). A unit test keeps it within 3% of the
+# fastest budget measured on every model.
+GPU_STEP_DEFAULTS = {"max_batched_tokens": 32768}
+
 
 class Refused:
     """A ``SPECSHIM_*`` value that failed its check, kept in its place.

@@ -34,6 +34,7 @@ from specshim import _hooks
 from specshim._base import GENERATOR, SpecShimError, UsageError, shm_limit
 from specshim._knobs import BY_NAME as _BY_NAME
 from specshim._knobs import DEFAULT_BATCH_SIZE as DEFAULT_BATCH_SIZE  # re-exported
+from specshim._knobs import GPU_STEP_DEFAULTS as GPU_STEP_DEFAULTS  # re-exported
 from specshim._knobs import KNOBS, Knob, Refused
 from specshim._knobs import STEP_DEFAULTS as STEP_DEFAULTS  # re-exported
 from specshim._knobs import from_environment as _from_environment

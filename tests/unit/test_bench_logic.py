@@ -166,3 +166,25 @@ def test_bench_gpu_counts_the_peer_at_its_best_and_judges_the_targets(bench):
     assert "prefill: default, native: 0.8" in text
     assert "stretch: extract >= native: missed" in text
     assert "generate() took 4.5 s" in text
+
+
+def test_extracts_gpu_step_budget_is_bench_gpus_choice():
+    """GPU_STEP_DEFAULTS' budget ran extract within 3% of the fastest budget
+    measured, on every model of the committed bench-gpu results."""
+    import json
+
+    from specshim._settings import GPU_STEP_DEFAULTS
+
+    results = json.loads((BENCHMARKS / "results" / "gpu.json").read_text())
+    chosen = GPU_STEP_DEFAULTS["max_batched_tokens"]
+    judged = 0
+    for model, summary in results.items():
+        rates = {
+            k: v for k, v in summary["tok_per_s"].items() if k.startswith("extract")
+        }
+        if len(rates) < 2:
+            continue
+        at_default = rates.get(f"extract@{chosen}", rates["extract"])
+        assert at_default >= 0.97 * max(rates.values()), (model, rates)
+        judged += 1
+    assert judged >= 2, "bench-gpu measured no step budgets to choose from"

@@ -252,6 +252,31 @@ def test_extract_step_budget_precedence(generator_module, monkeypatch, tmp_path)
         step_settings(options)
 
 
+def test_extract_takes_larger_steps_on_a_gpu(generator_module, monkeypatch, tmp_path):
+    """Where vLLM does not compute on the CPU, extract's default step budget is
+    GPU_STEP_DEFAULTS' (bench-gpu's choice); the environment and a flag still
+    beat it, and on a CPU it is speculators' own."""
+    from specshim._settings import GPU_STEP_DEFAULTS, STEP_DEFAULTS
+    from specshim.job import plan
+    from specshim.job.options import ExtractOptions
+
+    options = ExtractOptions(model=tmp_path, data=tmp_path, out=tmp_path)
+    monkeypatch.setattr(plan, "on_cpu", lambda: False)
+    state = plan.step_settings(options)
+    tokens = GPU_STEP_DEFAULTS["max_batched_tokens"]
+    assert tokens > STEP_DEFAULTS["max_batched_tokens"]
+    assert state["max_batched_tokens"]["value"] == tokens
+    assert state["max_batched_tokens"]["source"] == "extract default"
+    assert generator_module.MIN_MAX_BATCHED_TOKENS == tokens
+    assert state["max_num_seqs"]["value"] == STEP_DEFAULTS["max_num_seqs"]
+    options.max_batched_tokens = 9000
+    assert plan.step_settings(options)["max_batched_tokens"]["value"] == 9000
+    options.max_batched_tokens = None
+    monkeypatch.setattr(plan, "on_cpu", lambda: True)
+    state = plan.step_settings(options)
+    assert state["max_batched_tokens"]["value"] == STEP_DEFAULTS["max_batched_tokens"]
+
+
 def test_extract_flags_reach_the_options(tiny_model_dir, monkeypatch):
     from specshim import cli
 

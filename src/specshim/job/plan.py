@@ -19,7 +19,7 @@ from typing import Any
 
 from specshim import _settings
 from specshim._base import UsageError
-from specshim._settings import STEP_DEFAULTS, trust_remote_code
+from specshim._settings import GPU_STEP_DEFAULTS, STEP_DEFAULTS, trust_remote_code
 from specshim.job.checkpoint import (
     ModelFacts,
     check_against_model,
@@ -29,7 +29,7 @@ from specshim.job.checkpoint import (
 )
 from specshim.job.feed import FeedSpec
 from specshim.job.kv_cache import VARIABLE as KV_VARIABLE
-from specshim.job.kv_cache import kv_need
+from specshim.job.kv_cache import kv_need, on_cpu
 from specshim.job.options import ExtractOptions
 from specshim.job.run_config import output_config, run_identity
 
@@ -70,9 +70,14 @@ class RunPlan:
 
 
 def step_settings(options: ExtractOptions) -> dict[str, Any]:
-    """Put this run's step budget in force (flag > environment > STEP_DEFAULTS)."""
+    """Put this run's step budget in force (flag > environment > extract's
+    defaults: ``STEP_DEFAULTS``, with ``GPU_STEP_DEFAULTS`` over them where
+    vLLM does not compute on the CPU)."""
     flags = {knob.name: getattr(options, knob.name) for knob in _settings.KNOBS}
-    return _settings.apply_resolved(_settings.resolve(flags, STEP_DEFAULTS, "extract"))
+    defaults = dict(STEP_DEFAULTS)
+    if not on_cpu():
+        defaults.update(GPU_STEP_DEFAULTS)
+    return _settings.apply_resolved(_settings.resolve(flags, defaults, "extract"))
 
 
 def plan_run(options: ExtractOptions) -> RunPlan:

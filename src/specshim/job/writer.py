@@ -28,17 +28,6 @@ WRITERS = 8  # threads serializing a batch's files (at most one per core)
 _SERIALIZED = object()  # the pending batch's files are all serialized
 
 
-def _torch_save(data: dict[str, Any], path: Path) -> None:
-    import torch
-
-    torch.save(data, path)
-
-
-# How a sample's dict becomes its file (benchmarks/writer_bench.py measures
-# others that write the same bytes).
-save_file = _torch_save
-
-
 @dataclass
 class Prepared:
     """A sample serialized under its temporary name, not yet recorded."""
@@ -67,7 +56,7 @@ def prepare_sample(run: _store.Run, todo: Todo, result: dict[str, Any]) -> Prepa
     }
     final = final_path(run.out, todo.index)
     tmp = run.partial_path(final.name)
-    save_file(data, tmp)
+    torch.save(data, tmp)
     stat = tmp.stat()
     entry = _store.Entry(
         index=todo.index,
