@@ -89,12 +89,24 @@ def test_readme_commands_table_names_every_command():
 
 
 def test_readme_gpu_figures_are_the_committed_bench_gpu_results():
-    """The headline table's figures, each in benchmarks/results/gpu.md."""
+    """The headline table's rates and its extract ÷ native ratios, each from
+    benchmarks/results/gpu.md (a table cell or a note's figure), and each row's
+    ratio its own extract over its own native."""
     performance = _sections(README.read_text())["Performance"]
     results = (ROOT / "benchmarks" / "results" / "gpu.md").read_text()
-    figures = re.findall(r"\| ([\d,]{5,}) ", performance)
-    assert len(figures) == 9
-    assert [f for f in figures if f"| {f} |" not in results] == []
+    said = set(re.findall(r"[\d,]*\d(?:\.\d+)?", results))
+    rows = [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in performance.splitlines()
+        if line.startswith("| ") and not line.startswith("| model")
+    ]
+    assert len(rows) == 3 and all(len(row) == 6 for row in rows)
+    for model, prefill, native, generate, extract, ratio in rows:
+        figures = [prefill, generate, extract] + [native, ratio] * native[0].isdigit()
+        assert [f for f in figures if f not in said] == [], model
+        if native[0].isdigit():
+            rate = int(extract.replace(",", "")) / int(native.replace(",", ""))
+            assert round(rate, 4) == float(ratio), model
 
 
 def _usage_rows(section: str) -> dict[str, str]:
