@@ -27,6 +27,15 @@ _KIMI = {
     "routed_scaling_factor": 2.827,
 }
 
+# The two MoE models at 2,048 wide: 12 layers, 16 heads.
+_NARROW_MOE = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+}
+
 # name: (architecture, config overrides, layers captured (speculators 0.3.0 ids))
 MODELS: dict[str, tuple[str, dict[str, Any], list[int]]] = {
     "llama-1b": (
@@ -54,11 +63,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], list[int]]] = {
     "deepseek-v3-moe": (
         "deepseek_v3",
         {
-            "hidden_size": 2048,
-            "intermediate_size": 8192,
-            "num_hidden_layers": 12,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 16,
+            **_NARROW_MOE,
             "moe_intermediate_size": 1024,
             "n_routed_experts": 32,
             "num_experts_per_tok": 4,
@@ -80,11 +85,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], list[int]]] = {
         "deepseek_v3",
         {
             **_KIMI,
-            "hidden_size": 2048,
-            "intermediate_size": 8192,
-            "num_hidden_layers": 12,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 16,
+            **_NARROW_MOE,
             "moe_intermediate_size": 768,
             "n_routed_experts": 64,
         },
