@@ -151,8 +151,7 @@ def render(merged: dict[str, Any]) -> str:
     for name, s in merged.items():
         r, d = s["tok_per_s"], s["disk_tok_per_s"]
         rows.append(
-            f"| {name} | {_f(s.get('prefill') or r.get('prefill'))} | "
-            f"{_f(s.get('native') or r.get('native'))} | "
+            f"| {name} | {_f(s['prefill'])} | {_f(s['native'])} | "
             f"{_f(r.get('generate'))} | {_f(r.get('extract'))} | "
             f"{_f(s['extract_vs_native'])} | {_f(s.get('extract_vs_prefill'))} | "
             f"{_f(s['generate_vs_prefill'])} | {_f(s['extract_vs_generate'])} | "

@@ -155,34 +155,35 @@ class Writer:
         committed: the pool is never idle between batches for the manifest's
         fsync. Batches are still committed whole and in order."""
         pending: tuple[list[Todo], list[Any]] | None = None
-        while True:
-            waited = time.monotonic()
-            item = self._next(pending)
-            if item is _SERIALIZED:  # nothing came to overlap with: commit
-                assert pending is not None
-                if not self._settle(*pending):
-                    self.pool.shutdown()
+        try:
+            while True:
+                waited = time.monotonic()
+                item = self._next(pending)
+                if pending is None:
+                    self.idle += time.monotonic() - waited
+                following = None
+                if item is not None and item is not _SERIALIZED:
+                    following = self._submit(*item)
+                if pending is not None and not self._settle(*pending):
+                    if following is not None:
+                        self._discard(following[1])
                     return
-                pending = None
-                continue
-            if pending is None:
-                self.idle += time.monotonic() - waited
-            if item is not None:
-                batch, results = item
-                futures = [
-                    self.pool.submit(prepare_sample, self.run, todo, result)
-                    for todo, result in zip(batch, results, strict=True)
-                ]
-                del results  # the futures hold what each sample needs
-            if pending is not None and not self._settle(*pending):
-                if item is not None:
-                    self._discard(futures)
-                self.pool.shutdown()
-                return
-            if item is None:
-                self.pool.shutdown()
-                return
-            pending = (batch, futures)
+                if item is None:
+                    return
+                pending = following  # None after _SERIALIZED: that one is committed
+        finally:
+            self.pool.shutdown()
+
+    def _submit(
+        self, batch: list[Todo], results: list[dict[str, Any]]
+    ) -> tuple[list[Todo], list[Any]]:
+        """The batch on the pool: each sample serialized as soon as a thread
+        is free."""
+        futures = [
+            self.pool.submit(prepare_sample, self.run, todo, result)
+            for todo, result in zip(batch, results, strict=True)
+        ]
+        return batch, futures
 
     def _next(self, pending: tuple[list[Todo], list[Any]] | None) -> Any:
         """The next batch (None: the end); with a batch on the pool, whichever
