@@ -24,7 +24,7 @@ from gpu_models import MODELS, build_model, state_bytes_per_token
 MAX_MODEL_LEN = 2048
 BATCH = 32
 PASSES = 2
-EXTRACT_UTILIZATION = 0.8  # extract's default (specshim.job.options)
+EXTRACT_UTILIZATION = 0.8  # extract's default (specshim.job.extract.options)
 
 
 def _engine(args: argparse.Namespace) -> dict[str, Any]:
@@ -128,13 +128,23 @@ def _native_pass(llm: Any, prompts: list[Any], params: Any, out: Any) -> tuple:
     return seconds, size
 
 
+def generate_budget(args: argparse.Namespace) -> int:
+    """The tokens a step generate() runs at: ``--budget``, else extract's
+    default on a GPU."""
+    from specshim._settings import GPU_STEP_DEFAULTS
+
+    return int(args.budget or GPU_STEP_DEFAULTS["max_batched_tokens"])
+
+
 def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
     """speculators' generate() with specshim, batches of 32, no files; at
-    ``--budget`` tokens a step where given (extract's --max-batched-tokens)."""
+    ``--budget`` tokens a step where given (extract's --max-batched-tokens),
+    else at the budget ``extract`` takes on a GPU, so that extract ÷
+    generate compares the two at one step budget."""
     import importlib
 
-    if args.budget:
-        os.environ["SPECSHIM_MAX_BATCHED_TOKENS"] = str(args.budget)
+    budget = generate_budget(args)
+    os.environ["SPECSHIM_MAX_BATCHED_TOKENS"] = str(budget)
     import specshim  # noqa: F401  (first: it arms the patches speculators needs)
     from specshim.testing.worker_probes import backends
 
@@ -156,6 +166,7 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
             del results
         passes.append(time.perf_counter() - start)
     found = _best(passes) | {"backends": generator.executor.collective_rpc(backends)[0]}
+    found["max_batched_tokens"] = budget
     if args.profile:
         found["profile"] = _profiled(generator, batches[: args.profile])
     generator.executor.shutdown()

@@ -94,6 +94,11 @@ def summarise(model: str, parts: dict[str, Any], tokens: int) -> dict[str, Any]:
         "extract_vs_generate": _ratio(extract, rate.get("generate")),
         "native_vs_prefill": _ratio(native, prefill),
         "extract_timing": {k: v["timing"] for k, v in parts.items() if "timing" in v},
+        "step_budgets": {
+            k: v["max_batched_tokens"]
+            for k, v in parts.items()
+            if "max_batched_tokens" in v
+        },
         "passes": {k: v["passes"] for k, v in parts.items() if "passes" in v},
         "errors": {k: v["error"] for k, v in parts.items() if "error" in v},
         "backends": parts.get("generate", {}).get("backends"),
@@ -191,24 +196,7 @@ def _notes(name: str, s: dict[str, Any]) -> list[str]:
             f"threads' files, committed {timing['writer_committing']} s and "
             f"waited for batches {timing['writer_idle']} s."
         )
-    rates = s["tok_per_s"]
-    for budget in sorted({k.split("@")[1] for k in rates if "@" in k and k[0] != "p"}):
-        if budget.isdigit():
-            found = []
-            for part, peers in (("generate", ("prefill",)), ("extract", _PEERS)):
-                rate = rates.get(f"{part}@{budget}")
-                if rate:
-                    ratios = [
-                        f"{_ratio(rate, s[peer])} of {peer}"
-                        for peer in peers
-                        if s.get(peer)
-                    ]
-                    found.append(f"{part} {rate:,} ({', '.join(ratios)})")
-            notes.append(
-                f"- {name}: at {int(budget):,} tokens a step (extract's "
-                "--max-batched-tokens; the table's runs were given none): "
-                + ", ".join(found)
-            )
+    notes += _step_notes(name, s)
     met = s.get("targets") or {}
     if met:
         notes.append(
@@ -224,3 +212,45 @@ def _notes(name: str, s: dict[str, Any]) -> list[str]:
     if s.get("errors"):
         notes.append(f"- {name}: failed parts: {json.dumps(s['errors'])[:400]}")
     return notes
+
+
+def _step_notes(name: str, s: dict[str, Any]) -> list[str]:
+    """The step budgets the table's runs took, and the runs at other budgets."""
+    notes = []
+    budgets = s.get("step_budgets") or {}
+    if "generate" in budgets or "extract" in budgets:
+        notes.append(
+            f"- {name}: the table's generate() and extract ran at "
+            + ", ".join(
+                f"{part} {_budget(budgets[part])}"
+                for part in ("generate", "extract")
+                if part in budgets
+            )
+            + " tokens a step."
+        )
+    rates = s["tok_per_s"]
+    for budget in sorted({k.split("@")[1] for k in rates if "@" in k and k[0] != "p"}):
+        if budget.isdigit():
+            found = []
+            for part, peers in (("generate", ("prefill",)), ("extract", _PEERS)):
+                rate = rates.get(f"{part}@{budget}")
+                if rate:
+                    ratios = [
+                        f"{_ratio(rate, s[peer])} of {peer}"
+                        for peer in peers
+                        if s.get(peer)
+                    ]
+                    found.append(f"{part} {rate:,} ({', '.join(ratios)})")
+            notes.append(
+                f"- {name}: at {int(budget):,} tokens a step (extract's "
+                "--max-batched-tokens): " + ", ".join(found)
+            )
+    return notes
+
+
+def _budget(found: Any) -> str:
+    """A part's step budget as recorded: a number, or extract's ``[number,
+    where it came from]``."""
+    if isinstance(found, list):
+        return f"{found[0]:,} ({found[1]})"
+    return f"{found:,}"

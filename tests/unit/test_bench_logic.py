@@ -19,7 +19,14 @@ def bench():
         yield importlib.import_module
     finally:
         sys.path.remove(str(BENCHMARKS))
-        for name in ("judge", "plan", "render", "gpu_summary", "gpu_models"):
+        for name in (
+            "judge",
+            "plan",
+            "render",
+            "gpu_summary",
+            "gpu_models",
+            "gpu_parts",
+        ):
             sys.modules.pop(name, None)
 
 
@@ -188,3 +195,16 @@ def test_extracts_gpu_step_budget_is_bench_gpus_choice():
         assert at_default >= 0.97 * max(rates.values()), (model, rates)
         judged += 1
     assert judged >= 2, "bench-gpu measured no step budgets to choose from"
+
+
+def test_bench_gpus_generate_runs_at_extracts_step_budget(bench):
+    """extract ÷ generate compares one step budget: bare generate() takes the
+    budget extract takes on a GPU, unless --budget names another."""
+    import argparse
+
+    from specshim._settings import GPU_STEP_DEFAULTS
+
+    parts = bench("gpu_parts")
+    chosen = GPU_STEP_DEFAULTS["max_batched_tokens"]
+    assert parts.generate_budget(argparse.Namespace(budget=0)) == chosen
+    assert parts.generate_budget(argparse.Namespace(budget=8192)) == 8192

@@ -100,7 +100,7 @@ def test_readme_gpu_figures_are_the_committed_bench_gpu_results():
         for line in performance.splitlines()
         if line.startswith("| ") and not line.startswith("| model")
     ]
-    assert len(rows) == 3 and all(len(row) == 6 for row in rows)
+    assert len(rows) == 4 and all(len(row) == 6 for row in rows)
     for model, prefill, native, generate, extract, ratio in rows:
         figures = [prefill, generate, extract] + [native, ratio] * native[0].isdigit()
         assert [f for f in figures if f not in said] == [], model
