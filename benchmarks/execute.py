@@ -106,7 +106,7 @@ def make_workload(num_seqs: int) -> Path:
 
 def reference_states(model: Path, workload: Path) -> dict[int, list[Any]]:
     """HF float32 hidden states of the workload's sample rows."""
-    from specshim.job.agreement import HFReference
+    from specshim.job.verify.hf_reference import HFReference
 
     data = json.loads(workload.read_text())
     reference = HFReference(str(model))  # float32: the reference, not a contender

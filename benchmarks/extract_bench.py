@@ -141,7 +141,7 @@ def run_streaming(model: Path, data: Path, out: Path) -> dict[str, Any]:
 
 def child_stream(model: str, data: str, out: str) -> None:
     """extract() until its third generate(): when the first came, peak RSS."""
-    from specshim.job import extract as _extract
+    from specshim.job.extract import command as _extract
 
     seen: dict[str, Any] = {"calls": 0}
     original = _extract._generate

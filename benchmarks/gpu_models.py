@@ -128,7 +128,7 @@ def build_model(name: str, path: Path) -> Path:
     import torch
     import transformers
 
-    from specshim.job.tiny_checkpoints import (
+    from specshim.job.inputs.tiny_checkpoints import (
         COMMON,
         build_tokenizer,
         deepseek_v3_config,

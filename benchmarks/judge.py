@@ -14,7 +14,7 @@ def agreement(states_file: str, reference: dict[int, list[Any]]) -> dict[str, An
     """Cosine and norm of a run's saved states against the HF reference rows."""
     import torch
 
-    from specshim.job.agreement import (
+    from specshim.job.verify.hf_reference import (
         TOKEN_COSINE,
         TOKEN_NORM,
         norm_ratio,
@@ -58,14 +58,14 @@ def agreement(states_file: str, reference: dict[int, list[Any]]) -> dict[str, An
 def agrees(agreement: dict[str, Any] | None) -> bool:
     """Whether an ``agreement`` clears the e2e bar.
 
-    The thresholds of ``specshim.job.agreement``, over the whole sample:
+    The thresholds of ``specshim.job.verify.hf_reference``, over the whole sample:
     every sampled row present, each layer's mean cosine >= MEAN_COSINE and
     mean norm ratio within MEAN_NORM of 1, at most SHARE_BELOW of the tokens
     under TOKEN_COSINE, and as many off in norm by over TOKEN_NORM. Results
     recorded before norms were compared carry no norm figures; they are
     judged on direction alone and say so (``agreement_text``).
     """
-    from specshim.job.agreement import MEAN_COSINE, MEAN_NORM, SHARE_BELOW
+    from specshim.job.verify.hf_reference import MEAN_COSINE, MEAN_NORM, SHARE_BELOW
 
     if not agreement or "error" in agreement or agreement["missing_rows"]:
         return False

@@ -5,7 +5,7 @@ layer and sample, as ``generate()`` hands them over), on one disk:
 
 * ``plain``: the same bytes, one file per sample, written in one thread with
   ``open``/``write``/``close``: what the disk takes without any format.
-* ``writer``: ``specshim.job.writer.Writer`` itself, as ``extract`` drives it:
+* ``writer``: ``specshim.job.extract.writer.Writer`` itself, as ``extract`` drives it:
   batches put one at a time, ``prepare_sample`` on its pool, the manifest
   fsynced per batch, every file renamed into place. The files are the ones
   ``extract`` writes (tests/unit/test_writer_bench.py compares them byte for
@@ -52,7 +52,7 @@ def samples(
     """(Todo, result) pairs of ``count`` samples of 256 to 1,535 tokens."""
     import torch
 
-    from specshim.job.feed import Todo
+    from specshim.job.extract.feed import Todo
 
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -112,8 +112,8 @@ def write_with_writer(pairs: list[Any], out: Path, busy: bool = False) -> float:
     """Seconds for extract's writer to write and commit every sample into
     ``out`` (a fresh output directory), the main thread only handing batches
     over; ``busy``: while a thread spins on the GIL as vLLM's reply wait does."""
-    from specshim.job import store
-    from specshim.job.writer import Progress, Writer
+    from specshim.job.extract.writer import Progress, Writer
+    from specshim.job.outdir import store
 
     store.prepare_out(out)
     run = store.Run(out, {"shard": [0, 1]})
@@ -152,7 +152,7 @@ def _spin(stop: threading.Event) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from specshim.job.writer import writers
+    from specshim.job.extract.writer import writers
 
     pairs = samples(args.samples, args.hidden, args.layers)
     nbytes = state_bytes(pairs)

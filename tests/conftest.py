@@ -32,7 +32,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def hf_reference() -> Any:
-    from specshim.job.agreement import HFReference
+    from specshim.job.verify.hf_reference import HFReference
 
     cache: dict[str, HFReference] = {}
 

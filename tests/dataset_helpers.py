@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specshim.job.dataset import Record, RecordStream
-from specshim.job.tokenizing import Sample, Tokenizing, warn_truncated
+from specshim.job.inputs.dataset import Record, RecordStream
+from specshim.job.inputs.tokenizing import Sample, Tokenizing, warn_truncated
 
 
 def read_records(

@@ -7,6 +7,8 @@ specshim imports neither torch nor vllm. ``specshim.configure(...)`` (or
 ``with specshim.configured(...)`` for one block, or the ``SPECSHIM_*``
 variables in ``specshim._settings.KNOBS``) sets the step budget and KV-cache
 fraction speculators hard-codes. ``specshim.revert()`` undoes all of it.
+``specshim.close(generator)`` shuts a generator's workers down (an open one is
+closed at exit anyway).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "State": "specshim._types",
+    "close": "specshim._closing",
     "format_report": "specshim._report",
     "report": "specshim._report",
 }
@@ -34,6 +37,18 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _patch_set() -> Any:
+    """The patch files' patches, in apply order: imported on the registry's
+    first use (a hooked module's import, or a report), not by ``import
+    specshim``."""
+    from specshim import patches
+
+    return patches.PATCHES
+
+
+_registry.REGISTRY.hand(_patch_set)
 
 
 def apply() -> None:
@@ -60,6 +75,7 @@ __all__ = [
     "SpecShimWarning",
     "State",
     "apply",
+    "close",
     "configure",
     "configured",
     "format_report",

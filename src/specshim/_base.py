@@ -17,8 +17,10 @@ __all__ = [
     "SpecShimWarning",
     "UsageError",
     "SHM_LIMIT",
+    "WRITER_THREADS",
     "pid_alive",
     "shm_limit",
+    "writer_threads",
 ]
 
 
@@ -75,8 +77,9 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-# The most shared memory the captured states' slabs may take (patches/worker/
-# _shared_states.py): read in every worker, checked in the main process first.
+# The most shared memory the captured states' slabs may take
+# (patches/_transport/shared_states.py): read in every worker, checked in the
+# main process first.
 SHM_LIMIT = "SPECSHIM_SHM_MIB"
 
 
@@ -84,14 +87,38 @@ def shm_limit() -> int | None:
     """``SPECSHIM_SHM_MIB`` in bytes: the most ``/dev/shm`` one worker's slabs
     may take (0: none, every call's states travel through vLLM's queue);
     None where it is not set (as much as ``/dev/shm`` holds)."""
+    mib = _whole_number(
+        SHM_LIMIT,
+        0,
+        "the most MiB of /dev/shm the captured states may take, a whole number "
+        "(0: none)",
+    )
+    return None if mib is None else mib << 20
+
+
+WRITER_THREADS = "SPECSHIM_WRITER_THREADS"
+
+
+def writer_threads() -> int | None:
+    """``SPECSHIM_WRITER_THREADS``: how many threads ``extract``'s writer
+    serializes a batch's files with; None where it is not set (the writer's
+    own choice)."""
+    return _whole_number(
+        WRITER_THREADS,
+        1,
+        "how many threads write extract's files, a whole number of at least 1",
+    )
+
+
+def _whole_number(name: str, least: int, wanted: str) -> int | None:
+    """The variable ``name`` as a whole number of at least ``least``; None
+    where it is not set; anything else refused in one line ("give
+    ``wanted``")."""
     import os
 
-    value = os.environ.get(SHM_LIMIT, "").strip()
+    value = os.environ.get(name, "").strip()
     if not value:
         return None
-    if not value.isdigit():
-        raise UsageError(
-            f"{SHM_LIMIT}={value}: give the most MiB of /dev/shm the captured "
-            "states may take, a whole number (0: none)"
-        )
-    return int(value) << 20
+    if not value.isdigit() or int(value) < least:
+        raise UsageError(f"{name}={value}: give {wanted}")
+    return int(value)

@@ -24,7 +24,7 @@ from specshim._versions import installed_versions_line
 
 TYPE_CHECKING = False  # typing costs ~15 ms to import; annotations are strings
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
     from typing import Any
 
     from specshim._types import Patch, PatchRecord
@@ -71,11 +71,12 @@ class Registry:
     every patch (at once where the target module is loaded, else when it is
     imported); ``revert`` restores every original attribute and removes the
     import hooks, so that a reverted registry leaves no trace. ``loader``
-    imports the patch files on first use; a registry without one starts empty
-    (the unit tests swap such a one in for throwaway patches).
+    returns the patch set, in apply order, on first use (``specshim`` hands
+    this process's registry the patch files' loader); a registry without one
+    starts empty (the unit tests swap such a one in for throwaway patches).
     """
 
-    def __init__(self, loader: Callable[[], None] | None = None) -> None:
+    def __init__(self, loader: Callable[[], Iterable[Patch]] | None = None) -> None:
         self._lock = threading.RLock()
         self._patches: dict[str, Patch] = {}
         self._records: dict[str, PatchRecord] = {}
@@ -118,14 +119,20 @@ class Registry:
     def hooked_modules(self) -> frozenset[str]:
         return frozenset(self._hooked)
 
+    def hand(self, loader: Callable[[], Iterable[Patch]]) -> None:
+        """Give the registry the loader of its patch set (called on first use)."""
+        with self._lock:
+            self._loader, self._loaded = loader, False
+
     def load(self) -> None:
-        """Import the patch files (once); each registers its patch."""
+        """Register the loader's patches (once), in the order it gives them."""
         with self._lock:
             if self._loaded:
                 return
             self._loaded = True
             assert self._loader is not None
-            self._loader()
+            for patch in self._loader():
+                self.register(patch)
             stray = {p.module for p in self._patches.values()} - set(HOOKED_MODULES)
             if stray:
                 raise SpecShimError(
@@ -220,15 +227,10 @@ class Registry:
             )
 
 
-def _load_patch_files() -> None:
-    from specshim import patches
-
-    patches.load_all()
-
-
-# This process's registry. Everything below goes through it; a test swaps in
-# another with ``monkeypatch.setattr(_registry, "REGISTRY", Registry())``.
-REGISTRY = Registry(loader=_load_patch_files)
+# This process's registry. Everything below goes through it; ``specshim``
+# hands it the loader of the patch set on import; a test swaps in another with
+# ``monkeypatch.setattr(_registry, "REGISTRY", Registry())``.
+REGISTRY = Registry()
 
 
 def register(patch: Patch) -> Patch:

@@ -41,7 +41,7 @@ def _checkpoint(args: argparse.Namespace, flag: str = "--model") -> Path:
     """
     from specshim import configure
     from specshim._remote_code import require_consent
-    from specshim.job.checkpoint import text_config
+    from specshim.job.inputs.checkpoint import text_config
 
     model = Path(args.model)
     text_config(model, flag)  # a directory with a readable config.json
@@ -124,9 +124,9 @@ def _demo(args: argparse.Namespace) -> int:
 def _extract(args: argparse.Namespace) -> int:
     if args.data_parallel is not None:
         return _extract_parallel(args)
-    from specshim.job.dataset import parse_shard
-    from specshim.job.extract import extract
-    from specshim.job.options import ExtractOptions, parse_layers
+    from specshim.job.extract.command import extract
+    from specshim.job.extract.options import ExtractOptions, parse_layers
+    from specshim.job.inputs.dataset import parse_shard
 
     options = ExtractOptions(
         model=_checkpoint(args),
@@ -152,8 +152,8 @@ def _extract(args: argparse.Namespace) -> int:
 
 def _extract_parallel(args: argparse.Namespace) -> int:
     """``extract --data-parallel N``: N shard runs of this command at once."""
-    from specshim.job.dataset import cluster_shard
-    from specshim.job.parallel import plan_slots, run_parallel, visible_gpus
+    from specshim.job.extract.parallel import plan_slots, run_parallel, visible_gpus
+    from specshim.job.inputs.dataset import cluster_shard
 
     if args.shard is not None and args.shard != "auto":
         raise UsageError(
@@ -209,7 +209,7 @@ def summary(counts: dict[str, Any], out: Path) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from specshim.job.verify import verify, verify_all
+    from specshim.job.verify.command import verify, verify_all
 
     model = _checkpoint(args)
     samples = args.samples
@@ -247,7 +247,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from specshim.job.export import ExportOptions, export
+    from specshim.job.export.command import ExportOptions, export
 
     counts = export(
         ExportOptions(
@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     import dataclasses
 
     from specshim._cli_parser import build_parser as _build
-    from specshim.job.options import ExtractOptions
+    from specshim.job.extract.options import ExtractOptions
 
     defaults = {
         field.name: field.default

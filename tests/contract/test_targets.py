@@ -18,7 +18,7 @@ import sys
 import pytest
 
 import specshim
-from specshim.patches._util import GENERATOR, WORKER, parameters, upstream
+from specshim.patches._wrappers import GENERATOR, WORKER, parameters, upstream
 
 pytestmark = pytest.mark.contract
 

@@ -1,6 +1,6 @@
 """How captured states are judged against the Hugging Face reference.
 
-The bar itself lives in ``specshim.job.agreement`` (``specshim verify``
+The bar itself lives in ``specshim.job.verify.hf_reference`` (``specshim verify``
 uses the same one); ``test_checks_reject_a_one_row_shift`` proves it catches a
 shift of one row.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specshim.job.agreement import mismatch
+from specshim.job.verify.hf_reference import mismatch
 
 __all__ = ["assert_batch_matches", "mismatch"]
 
@@ -28,3 +28,22 @@ def assert_batch_matches(
         if why:
             failures.append(f"sequence {index} (len {len(ids)}): {why}")
     assert not failures, "\n".join(failures[:10])
+
+
+def assert_same_files(a: dict[int, Any], b: dict[int, Any], count: int) -> None:
+    """Two extract outputs (``{index: path}``) hold the same samples, their
+    tokens, loss masks and every layer's states bit for bit (whole-file bytes
+    differ in the archive's folder name, which torch.save takes from the
+    temporary file's name)."""
+    import torch
+
+    assert sorted(a) == sorted(b) == list(range(count))
+    for index, path in a.items():
+        x = torch.load(path, weights_only=True)
+        y = torch.load(b[index], weights_only=True)
+        assert x.keys() == y.keys()
+        for key in ("input_ids", "loss_mask"):
+            assert torch.equal(x[key], y[key]), f"data_{index}.pt: {key}"
+        for p, q in zip(x["hidden_states"], y["hidden_states"], strict=True):
+            assert p.dtype == q.dtype and p.shape == q.shape
+            assert torch.equal(p.view(torch.uint8), q.view(torch.uint8)), index

@@ -99,7 +99,7 @@ BUDGETS: dict[str, dict[str, Any]] = {
 def close_generator(generator: Any) -> None:
     """Shut the workers down and close the main process's queue sockets
     (what ``close-at-exit`` does for a generator still open at exit)."""
-    from specshim.patches.main.close_at_exit import close
+    from specshim import close
 
     close(generator)
 
@@ -282,7 +282,7 @@ def generator(request: pytest.FixtureRequest, tiny_model_dir: Any) -> Iterator[A
         expected["max_batched_tokens"], MAX_MODEL_LEN
     )
     gen.specshim_reference_name = HF_REFERENCE.get(name, name)
-    from specshim.patches.main.close_at_exit import worker_pids
+    from specshim._closing import worker_pids
 
     from .ownership import assert_left_nothing
 

@@ -23,8 +23,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from specshim.patches.main.close_at_exit import close, worker_pids
-from specshim.patches.worker._shared_states import MAX_SLABS, slab_size
+from specshim import close
+from specshim._closing import worker_pids
+from specshim.patches._transport.shared_states import MAX_SLABS, slab_size
 from specshim.testing.worker_probes import use_transport
 
 from .ownership import (

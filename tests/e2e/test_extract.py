@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specshim.job.agreement import mismatch
+from specshim.job.verify.hf_reference import mismatch
 
 pytestmark = pytest.mark.e2e
 

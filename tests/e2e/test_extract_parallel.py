@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specshim.job.store import manifests
+from specshim.job.outdir.store import manifests
 
 from .test_extract import (
     _assert_visible_files_whole,

@@ -20,7 +20,7 @@ import shutil
 
 import pytest
 
-from specshim.job.agreement import HFReference, mismatch, per_token_cosine
+from specshim.job.verify.hf_reference import HFReference, mismatch, per_token_cosine
 
 from .conftest import LAYERS, close_generator, make_generator
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import specshim
-from specshim.patches.main.close_at_exit import worker_pids
-from specshim.patches.worker._shared_states import MAX_SLABS
+from specshim._closing import worker_pids
+from specshim.patches._transport.shared_states import MAX_SLABS
 from specshim.testing.worker_probes import (
     pad_steps,
     sort_steps_by_token_count,

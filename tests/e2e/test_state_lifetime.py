@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from specshim.patches.main.close_at_exit import close, worker_pids
+from specshim import close
+from specshim._closing import worker_pids
 from specshim.testing.tiny_models import WIDE_LAYERS
 
 from .conftest import make_generator
@@ -88,8 +89,7 @@ def test_extract_without_room_for_slabs_writes_what_the_slabs_write(
     import random
     import subprocess
 
-    import torch
-
+    from .checks import assert_same_files
     from .test_extract import _command, _files
 
     rng = random.Random(44)
@@ -122,17 +122,9 @@ def test_extract_without_room_for_slabs_writes_what_the_slabs_write(
     warned = [line for line in runs["cramped"].splitlines() if "leaves no room" in line]
     assert len(warned) == 1, warned
     assert "SPECSHIM_SHM_MIB=3" in warned[0] and "copied twice more" in warned[0]
-    room, cramped = _files(tmp_path / "room"), _files(tmp_path / "cramped")
-    assert sorted(room) == sorted(cramped) == list(range(len(lengths)))
-    for index, path in room.items():
-        a = torch.load(path, weights_only=True)
-        b = torch.load(cramped[index], weights_only=True)
-        assert a.keys() == b.keys()
-        for key in ("input_ids", "loss_mask"):
-            assert torch.equal(a[key], b[key]), f"data_{index}.pt: {key}"
-        for x, y in zip(a["hidden_states"], b["hidden_states"], strict=True):
-            assert x.dtype == y.dtype and x.shape == y.shape
-            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), index
+    assert_same_files(
+        _files(tmp_path / "room"), _files(tmp_path / "cramped"), len(lengths)
+    )
 
 
 @pytest.mark.extended

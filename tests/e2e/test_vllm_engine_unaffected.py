@@ -114,6 +114,8 @@ def test_llm_generate_is_unchanged_with_specshim_active(tiny_model_dir):
         core = {
             "specshim",
             "specshim._base",
+            "specshim._closing",
+            "specshim._environ",
             "specshim._hooks",
             "specshim._knobs",
             "specshim._registry",

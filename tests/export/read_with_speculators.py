@@ -22,7 +22,7 @@ import torch
 from speculators.train.data import ArrowDataset
 from transformers import AutoModelForCausalLM
 
-from specshim.job.agreement import mismatch
+from specshim.job.verify.hf_reference import mismatch
 
 
 def hf_states(model, ids: torch.Tensor, entering: list[int]) -> tuple[list, object]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from specshim.patches._util import scoped_environ
+from specshim._environ import scoped_environ
 
 from ..e2e.conftest import HF_REFERENCE, SHIPS_CODE, close_generator, make_generator
 from .tier import STACKS
@@ -121,7 +121,7 @@ def generator(request: pytest.FixtureRequest, tiny_model_dir: Any) -> Iterator[A
     if runner == "v2":
         assert ".gpu." in facts["runner"], f"V2 forced, but ran {facts['runner']}"
     gen.specshim_reference_name = HF_REFERENCE.get(name, name)
-    from specshim.patches.main.close_at_exit import worker_pids
+    from specshim._closing import worker_pids
 
     from ..e2e.ownership import assert_left_nothing
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specshim.job.parallel import visible_gpus
+from specshim.job.extract.parallel import visible_gpus
 
 from ..e2e.conftest import LAYERS, half_built, make_generator
 from ..e2e.test_extract import _command, _run_ok
@@ -36,7 +36,7 @@ def main(model, route):
         from vllm.plugins import load_general_plugins
         load_general_plugins()
     from speculators.data_generation import VllmHiddenStatesGenerator
-    from specshim.job.agreement import HFReference, mismatch
+    from specshim.job.verify.hf_reference import HFReference, mismatch
     rng = random.Random(3)
     batch = [[rng.randrange(300) for _ in range(rng.randint(1, 90))] for _ in range(40)]
     gen = VllmHiddenStatesGenerator(model, layer_ids={layers}, max_model_len=1024)

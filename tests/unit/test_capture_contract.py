@@ -179,7 +179,7 @@ class FakeDeepseekFp16Layer(nn.Module):
 def test_the_fp16_rescaling_is_real_and_refused_at_setup():
     """What the contract guards against: the captured state scaled by 1/2.5,
     identical in direction (every cosine check passes) and refused at setup."""
-    from specshim.job.agreement import mismatch
+    from specshim.job.verify.hf_reference import mismatch
 
     layer = FakeDeepseekFp16Layer()
     hidden = torch.randn(5, 4, dtype=torch.float16)

@@ -9,8 +9,8 @@ import pytest
 
 from specshim._base import SpecShimError, UsageError
 from specshim.cli import _extract_argv, build_parser, main
-from specshim.job import parallel
-from specshim.job.parallel import Slot, plan_slots, visible_gpus
+from specshim.job.extract import parallel
+from specshim.job.extract.parallel import Slot, plan_slots, visible_gpus
 
 BASE = ["extract", "--model", "/nowhere/model", "--data", "d.jsonl", "--out", "o"]
 
@@ -289,8 +289,8 @@ def test_no_shard_outlives_a_parent_killed_with_sigkill(tmp_path):
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path\n"
-            "from specshim.job import parallel\n"
-            "from specshim.job.parallel import Slot\n"
+            "from specshim.job.extract import parallel\n"
+            "from specshim.job.extract.parallel import Slot\n"
             f"argv = {SLEEPER!r}\n"
             "for i in range(2):\n"
             f"    out = Path({str(tmp_path)!r})\n"

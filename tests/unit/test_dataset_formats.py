@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specshim._base import UsageError
-from specshim.job.dataset import parse_shard
+from specshim.job.inputs.dataset import parse_shard
 
 from ..dataset_helpers import read_records, tokenize
 

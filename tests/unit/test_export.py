@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from specshim._base import UsageError
-from specshim.job import extract as _extract
-from specshim.job.checkpoint import hidden_size
-from specshim.job.export import ExportOptions, export
-from specshim.job.options import ExtractOptions
+from specshim.job.export.command import ExportOptions, export
+from specshim.job.extract import command as _extract
+from specshim.job.extract.options import ExtractOptions
+from specshim.job.inputs.checkpoint import hidden_size
 
 LAYERS = [1, 3, 5]  # the tiny Llama has 6 decoder layers: 5 is the final one
 

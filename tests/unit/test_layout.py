@@ -13,6 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "specshim"
 BENCHMARKS = ROOT / "benchmarks"
+# Every tree of the house's Python the size rules hold in.
+TREES = [ROOT / "src", BENCHMARKS, ROOT / "matrix", ROOT / "tests"]
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 400
 
@@ -60,7 +62,7 @@ def _wing(module: str) -> str:
 
 def test_the_tree_is_read():
     names = {_name(p) for p in _modules()}
-    assert {"specshim", "specshim.job.extract", "specshim.cli"} <= names
+    assert {"specshim", "specshim.job.extract.command", "specshim.cli"} <= names
     assert "specshim.job" in _imports(SRC / "cli.py") or any(
         name.startswith("specshim.job") for name in _imports(SRC / "cli.py")
     )
@@ -87,10 +89,27 @@ def test_the_shim_imports_nothing_of_the_job():
     assert not {k: v for k, v in offenders.items() if v}
 
 
+def test_the_job_reaches_the_shim_through_its_public_seam():
+    """No job module imports a patch file (or ``specshim.patches`` at all): a
+    patch is removed when its "Remove when" comes true, and the job must not
+    break at run time then. What the job needs of the shim lives in modules
+    outside ``patches/`` (``specshim.close``, ``specshim._environ``)."""
+    offenders = {
+        _name(p): sorted(i for i in _imports(p) if i.startswith("specshim.patches"))
+        for p in _modules()
+        if _wing(_name(p)) in ("job", "cli")
+    }
+    assert not {k: v for k, v in offenders.items() if v}
+
+
+def _house() -> list[Path]:
+    return sorted(p for tree in TREES for p in tree.rglob("*.py"))
+
+
 def test_no_module_is_over_the_limit():
     long = {
-        str(p.relative_to(SRC)): n
-        for p in _modules()
+        str(p.relative_to(ROOT)): n
+        for p in _house()
         if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
     }
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
@@ -98,13 +117,49 @@ def test_no_module_is_over_the_limit():
 
 def test_no_function_is_over_the_limit():
     long = {}
-    for path in _modules() + sorted(BENCHMARKS.glob("*.py")):
+    for path in _house():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
                 if lines > MAX_FUNCTION_LINES:
                     long[f"{path.relative_to(ROOT)}:{node.name}"] = lines
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_the_size_rules_read_the_whole_house():
+    read = {p.relative_to(ROOT).parts[0] for p in _house()}
+    assert read == {"src", "benchmarks", "matrix", "tests"}
+    assert SRC / "job" / "extract" / "command.py" in _house()
+
+
+def test_the_job_has_few_rooms_at_its_root():
+    """The job's root holds its rooms by role (packages) and a few modules:
+    at most 10 rooms, ``__init__`` aside."""
+    rooms = [
+        p.name
+        for p in (SRC / "job").iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists())
+        or (p.suffix == ".py" and p.name != "__init__.py")
+    ]
+    assert 0 < len(rooms) <= 10, sorted(rooms)
+
+
+def test_every_package_of_rooms_opens_with_its_map():
+    """Each job package and the patch set say what each of their rooms holds,
+    first thing: a docstring that names every module (or folder) inside."""
+    packages = [p for p in (SRC / "job").iterdir() if (p / "__init__.py").exists()]
+    packages += [SRC / "patches", SRC / "patches" / "_transport"]
+    for package in packages:
+        doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
+        assert doc and "Rooms:" in doc, package
+        inside = {
+            p.stem if p.suffix == ".py" else p.name
+            for p in package.iterdir()
+            if (p.suffix == ".py" and p.name != "__init__.py")
+            or (p.is_dir() and (p / "__init__.py").exists())
+        }
+        missing = [name for name in inside if f"``{name}" not in doc]
+        assert not missing, f"{package.relative_to(SRC)} map lacks {missing}"
 
 
 def _module_edges() -> dict[str, set[str]]:

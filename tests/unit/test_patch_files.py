@@ -13,11 +13,7 @@ from specshim._base import GENERATOR, HOOKED_MODULES, WORKER, SpecShimError
 
 DRIFT_DOC = Path(__file__).resolve().parents[2] / "docs" / "drift.md"
 
-PATCH_FILES = [
-    *(f"specshim.patches.deps.{n}" for n in patches.DEPS),
-    *(f"specshim.patches.main.{n}" for n in patches.MAIN),
-    *(f"specshim.patches.worker.{n}" for n in patches.WORKER),
-]
+PATCH_FILES = [m.__name__ for m in (*patches.DEPS, *patches.MAIN, *patches.WORKER)]
 
 
 @pytest.mark.parametrize("module_name", PATCH_FILES)
@@ -26,7 +22,7 @@ def test_patch_file_declares_its_patch_once(module_name):
     import importlib
     import re
 
-    from specshim.patches._util import headings
+    from specshim.patches._declare import headings
 
     module = importlib.import_module(module_name)
     text = headings(module.__doc__, module_name)
@@ -51,7 +47,7 @@ def test_patch_file_declares_its_patch_once(module_name):
 
 
 def test_headings_are_required_in_order_and_filled():
-    from specshim.patches._util import headings
+    from specshim.patches._declare import headings
 
     good = "x\n\nWhy:\n    a\nUpstream change:\n    b\nUpstream PR:\n    c\n"
     assert headings(good + "Remove when:\n    d\n    e\n", "f")["Remove when"] == "d e"

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 
 from specshim._base import SpecShimError
+from specshim._environ import scoped_environ
 from specshim._types import Incompatible, NotNeeded
-from specshim.patches._util import scoped_environ
 from specshim.patches.main import finished_requests_delivered as delivered
 from specshim.patches.main import worker_start_method as start
 

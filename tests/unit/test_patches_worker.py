@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from specshim import SpecShimError
-from specshim.patches import _util
+from specshim.patches import _wrappers
 from specshim.patches.main import generate_guard
 from specshim.patches.worker import (
     capture_hooks,
@@ -106,9 +106,9 @@ class Extension:
 
 @pytest.fixture
 def worker_module(monkeypatch):
-    module = ModuleType(_util.WORKER)
+    module = ModuleType(_wrappers.WORKER)
     module.supports_eagle3 = eagle3_gate._build(lambda model: False)
-    monkeypatch.setitem(sys.modules, _util.WORKER, module)
+    monkeypatch.setitem(sys.modules, _wrappers.WORKER, module)
     monkeypatch.setattr(capture_hooks, "tp_rank", lambda: 0)
     return module
 

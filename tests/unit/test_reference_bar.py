@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specshim.job.agreement import mismatch
+from specshim.job.verify.hf_reference import mismatch
 
 
 def _states(seed: int = 0, n: int = 40) -> list[torch.Tensor]:
@@ -33,7 +33,7 @@ def test_a_zero_state_agrees_only_with_a_zero_state():
     zero state there through bias-free layers, on both sides: found on the
     H200, where one such token pulled a 36-token sequence's mean cosine to
     0.9722 and failed an exact match. Zero against non-zero still fails."""
-    from specshim.job.agreement import norm_ratio, per_token_cosine
+    from specshim.job.verify.hf_reference import norm_ratio, per_token_cosine
 
     want = _states(n=4)
     for h in want:

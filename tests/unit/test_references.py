@@ -8,7 +8,7 @@ import pytest
 
 from specshim import SpecShimError
 from specshim.cli import main
-from specshim.job import references as _references
+from specshim.job.verify import modes as _references
 
 # DeepSeek-V3 / Kimi-K2.5's text model as its config.json declares it.
 DEEPSEEK_V3 = {
@@ -42,7 +42,7 @@ def _checkpoint(tmp_path, **config):
 
 @pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
 def test_parameter_estimate_covers_the_real_bounded_model(tiny_model_dir, name):
-    from specshim.job.agreement import HFReference
+    from specshim.job.verify.hf_reference import HFReference
 
     path = tiny_model_dir(name)
     config = json.loads((path / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""An extract run is planned once (``job/plan.py``): the checkpoint is read
+"""An extract run is planned once (``job/extract/plan.py``): the checkpoint is read
 there and nowhere below it, refusals come before anything is created, and
 what the generator is built with is the plan's."""
 
@@ -13,12 +13,12 @@ import pytest
 
 from specshim import _settings
 from specshim._base import UsageError
-from specshim.job import checkpoint
-from specshim.job import extract as _extract
-from specshim.job.options import ExtractOptions
-from specshim.job.plan import RunPlan, plan_run
+from specshim.job.extract import command as _extract
+from specshim.job.extract.options import ExtractOptions
+from specshim.job.extract.plan import RunPlan, plan_run
+from specshim.job.inputs import checkpoint
 
-from .test_extract_pipeline import FakeGenerator
+from ._pipeline_helpers import FakeGenerator
 
 
 def _data(path: Path, count: int) -> Path:

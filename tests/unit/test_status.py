@@ -8,7 +8,7 @@ import pickle
 from pathlib import Path
 
 from specshim.cli import main
-from specshim.job import store as _store
+from specshim.job.outdir import store as _store
 
 
 def _write(out: Path, run: _store.Run, index: int, tokens: int) -> None:
@@ -25,7 +25,7 @@ def _write(out: Path, run: _store.Run, index: int, tokens: int) -> None:
 def _record(index: int) -> str:
     """The record digest of ``_dataset``'s sample ``index`` (status compares
     it with the dataset's)."""
-    from specshim.job.dataset import _normalise
+    from specshim.job.inputs.dataset import _normalise
 
     row = {"input_ids": [1] * (index + 1)}
     return _store.record_digest(_normalise(row, "test", None))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from specshim.job import store as _store
+from specshim.job.outdir import store as _store
 
 
 def _dead_pid() -> int:

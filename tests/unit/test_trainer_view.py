@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specshim.cli import main
-from specshim.job import extract as _extract
 from specshim.job import status as _status
+from specshim.job.extract import command as _extract
 
+from ._pipeline_helpers import _jsonl, _options
 from .test_export import LayeredGenerator
-from .test_extract_pipeline import _jsonl, _options
 
 SAMPLES = 5
 
@@ -49,7 +49,7 @@ CHANGES = {
 def source(tmp_path_factory, tiny_model_dir):
     """One extract's OUT (a generator whose states are a function of the
     token and the layer, as wide as the model)."""
-    from specshim.job.checkpoint import hidden_size
+    from specshim.job.inputs.checkpoint import hidden_size
 
     model = tiny_model_dir("llama")
     monkeypatch = pytest.MonkeyPatch()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specshim.job import extract as _extract
+from specshim.job.extract import command as _extract
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 

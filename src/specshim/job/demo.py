@@ -32,7 +32,7 @@ def default_cache() -> Path:
 
 
 def ensure_model(cache: Path) -> Path:
-    from specshim.job.tiny_checkpoints import build_deepseek_v3
+    from specshim.job.inputs.tiny_checkpoints import build_deepseek_v3
 
     path = cache / "tiny-deepseek-v3"
     if not (path / "model.safetensors").exists():
@@ -47,8 +47,8 @@ def run(cache: Path | None = None) -> int:
     import shutil
 
     import specshim
-    from specshim.job.extract import ExtractOptions, extract
-    from specshim.job.verify import hf_agreement, written_files
+    from specshim.job.extract.command import ExtractOptions, extract
+    from specshim.job.verify.command import hf_agreement, written_files
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cache = cache or default_cache()
@@ -96,7 +96,7 @@ def _print_summary(
     failures: list[str],
     out: Path,
 ) -> None:
-    from specshim.job.agreement import MEAN_COSINE, MEAN_NORM
+    from specshim.job.verify.hf_reference import MEAN_COSINE, MEAN_NORM
 
     applied = [p["id"] for p in report["patches"] if p["state"] == "applied"]
     rate = counts["tokens"] / counts["seconds"] if counts["seconds"] else 0.0

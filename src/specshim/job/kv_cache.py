@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from specshim._base import UsageError
-from specshim.patches._util import scoped_environ
+from specshim._environ import scoped_environ
 
 VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
 # Set by ``extract --data-parallel N`` in each of its N runs on a CPU host:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from specshim._base import UsageError
-from specshim.job import store as _store
+from specshim.job.outdir import store as _store
+from specshim.job.outdir.data_config import read_config
 
 
 @dataclass
@@ -90,7 +91,7 @@ def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
     """What ``out`` holds, proven by the manifests (and ``data`` if given)."""
     if not out.is_dir():
         raise UsageError(f"--out {out}: no such directory")
-    config = _store.read_config(out)
+    config = read_config(out)
     files = _store.existing_files(out)
     foreign = _store.foreign_files(out)
     probe = _store.Run(out)  # only to ask whether a run is alive
@@ -111,7 +112,7 @@ def collect(out: Path, data: Path | None = None, **dataset: Any) -> Status:
     changed: list[int] = []  # written from a record the dataset no longer has
     total = None
     if data is not None:
-        from specshim.job.dataset import RecordStream
+        from specshim.job.inputs.dataset import RecordStream
 
         stream = RecordStream(data, **dataset)
         for record in stream:  # counted, not kept

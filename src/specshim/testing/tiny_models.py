@@ -1,4 +1,4 @@
-"""Test fixtures: the tiny checkpoints of ``specshim.job.tiny_checkpoints``,
+"""Test fixtures: the tiny checkpoints of ``specshim.job.inputs.tiny_checkpoints``,
 plus Kimi-K2.5 (a multimodal wrapper with remote code) and the 576-wide MLA
 variants, built offline. Every builder writes a directory that both Hugging
 Face transformers and vLLM load."""
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from specshim.job.tiny_checkpoints import (
+from specshim.job.inputs.tiny_checkpoints import (
     CHAT_TEMPLATE,
     COMMON,
     SPECIAL_TOKENS,

@@ -159,7 +159,7 @@ def use_transport(worker: Any, mode: str) -> None:
     import types
 
     from specshim._registry import REGISTRY
-    from specshim.patches.worker import _shared_states
+    from specshim.patches._transport import shared_states as _shared_states
 
     if mode not in ("shared", "pickled", "fallback"):
         raise ValueError(f"unknown transport {mode!r}")

@@ -32,7 +32,7 @@ from typing import Any
 
 from specshim._base import TRANSFORMERS_CONFIG
 from specshim._types import Incompatible, NotNeeded
-from specshim.patches._util import declare
+from specshim.patches._declare import declare
 
 
 def _probe(original: Any) -> None:

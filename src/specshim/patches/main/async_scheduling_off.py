@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 from specshim._types import NotNeeded
-from specshim.patches._util import declare, force_keyword, keyword_default
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import force_keyword, keyword_default
 
 
 def _probe(original: Any) -> None:

@@ -31,13 +31,13 @@ Why:
     is being torn down), and registers an exit hook that runs before
     multiprocessing's: it shuts each open generator's executor down, closes
     the sockets, removes the executor and unmaps the slabs nothing holds
-    (``_handed_states.forget``), so speculators' ``__del__`` has nothing left
-    to do; a generator collected unclosed has its slabs unmapped after
-    ``__del__``. ``close(generator)`` does the same at any time, and a
-    constructor that raises is closed that way before its error goes on.
-    While closing, it waits up to ``GRACE_S`` for the signalled workers
-    before vLLM's own 5 s wait, whose SIGTERM comes with a warning (a slow
-    CPU worker on a busy machine printed it at a script's exit).
+    (``specshim.close``, in ``specshim/_closing.py``), so speculators'
+    ``__del__`` has nothing left to do; a generator collected unclosed has its
+    slabs unmapped after ``__del__``. A constructor that raises is closed that
+    way before its error goes on. While closing, ``specshim.close`` waits up
+    to ``GRACE_S`` for the signalled workers before vLLM's own 5 s wait, whose
+    SIGTERM comes with a warning (a slow CPU worker on a busy machine printed
+    it at a script's exit).
 Upstream change:
     None by itself: speculators 0.3.0 closes its executor only in ``__del__``;
     vLLM added the queues' cancel sockets between 0.16 and 0.24
@@ -53,97 +53,17 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import os
-import time
 import weakref
 from typing import Any
 
-from specshim.patches._util import declare, require_callable
-from specshim.patches.worker._handed_states import forget
+from specshim._closing import close, no_linger, worker_pids, workers_gone
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import require_callable
 
 logger = logging.getLogger(__name__)
 
-GRACE_S = 20.0  # the most close() waits for signalled workers itself
 _OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
 _HOOKED: list[bool] = []
-
-
-def close(generator: Any) -> None:
-    """Shut the generator's workers down and close its queue sockets; the
-    generator cannot generate afterwards. Doing it twice does nothing."""
-    _OPEN.discard(generator)
-    executor = vars(generator).pop("executor", None)
-    if executor is None:
-        return
-    owners = _queues(executor)  # read first: shutdown() drops the queues
-    pids = worker_pids(executor)
-    _patient(executor)
-    try:
-        executor.shutdown()
-    finally:
-        for socket in _open_sockets(owners):
-            socket.close(linger=0)
-        forget(pids)
-
-
-def worker_pids(executor: Any) -> list[int]:
-    """The process ids of the executor's workers (none known: an empty list)."""
-    pids = []
-    for handle in getattr(executor, "workers", None) or ():
-        pid = getattr(getattr(handle, "proc", None), "pid", None)
-        if isinstance(pid, int):
-            pids.append(pid)
-    return pids
-
-
-def _patient(executor: Any) -> None:
-    """Give the workers up to ``GRACE_S`` to exit before vLLM's own wait.
-
-    vLLM waits ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (5 s, read once the
-    executor is built) for its signalled workers, then sends SIGTERM with a
-    warning: on a busy 2-core machine a CPU worker took longer, and a
-    script's exit printed "[shutdown] Executor: workers still running after
-    grace period" (seen on vLLM 0.32.0). A value the user set is theirs."""
-    ensure = getattr(executor, "_ensure_worker_termination", None)
-    if ensure is None or "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS" in os.environ:
-        return
-
-    def patient(procs: list[Any]) -> None:
-        deadline = time.monotonic() + GRACE_S
-        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-            time.sleep(0.1)
-        ensure(procs)
-
-    executor._ensure_worker_termination = patient
-
-
-def _queues(executor: Any) -> list[Any]:
-    """The executor's message queues and their spin conditions (0.24+)."""
-    queues = [
-        getattr(executor, "rpc_broadcast_mq", None),
-        *(getattr(executor, "response_mqs", None) or ()),
-    ]
-    owners = [*queues, *(getattr(q, "_spin_condition", None) for q in queues)]
-    return [owner for owner in owners if owner is not None]
-
-
-def _open_sockets(owners: list[Any]) -> list[Any]:
-    """The zmq sockets the owners hold that are still open."""
-    import zmq
-
-    return [
-        value
-        for owner in owners
-        for value in getattr(owner, "__dict__", {}).values()
-        if isinstance(value, zmq.Socket) and not value.closed
-    ]
-
-
-def _no_linger(executor: Any) -> None:
-    import zmq
-
-    for socket in _open_sockets(_queues(executor)):
-        socket.setsockopt(zmq.LINGER, 0)
 
 
 def _close_open() -> None:
@@ -182,11 +102,11 @@ def _build(original: Any) -> Any:
         executor = vars(self).get("executor")
         if executor is None:
             return
-        _no_linger(executor)
+        no_linger(executor)
         _OPEN.add(self)
         # Collected without close(): speculators' __del__ shuts the workers
         # down first, then their slabs are unmapped here.
-        weakref.finalize(self, forget, worker_pids(executor)).atexit = False
+        weakref.finalize(self, workers_gone, worker_pids(executor)).atexit = False
         if not _HOOKED:  # registered after vLLM imported multiprocessing:
             _HOOKED.append(True)  # exit hooks run last-registered first
             atexit.register(_close_open)

@@ -27,7 +27,8 @@ import importlib
 from typing import Any
 
 from specshim._types import NotNeeded
-from specshim.patches._util import adapt_kwargs, declare
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import adapt_kwargs
 
 _CPU_ATTENTION = "vllm.v1.attention.backends.cpu_attn"
 

@@ -29,7 +29,7 @@ from typing import Any
 import wrapt
 
 from specshim._types import NotNeeded
-from specshim.patches._util import declare
+from specshim.patches._declare import declare
 
 
 def _cpu_kv_cache_space() -> int:

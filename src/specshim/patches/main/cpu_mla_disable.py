@@ -31,7 +31,8 @@ import os
 from typing import Any
 
 from specshim._types import NotNeeded
-from specshim.patches._util import declare, wrap_call
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import wrap_call
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 from specshim._types import NotNeeded
-from specshim.patches._util import declare, upstream, view_method
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import upstream, view_method
 
 
 def execute_model(executor: Any, scheduler_output: Any, *args: Any, **kw: Any) -> Any:

@@ -34,7 +34,8 @@ from typing import Any
 
 from specshim._base import SpecShimError
 from specshim._types import Incompatible
-from specshim.patches._util import declare, view_method
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import view_method
 
 _OUTPUT = "vllm.v1.core.sched.output"
 

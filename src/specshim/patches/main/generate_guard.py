@@ -44,9 +44,9 @@ from typing import Any
 
 from specshim._base import SpecShimError
 from specshim._types import NotNeeded
-from specshim.patches._rows import CAUSES, match_runs
-from specshim.patches._threads import lent_threads
-from specshim.patches._util import declare
+from specshim.patches._declare import declare
+from specshim.patches._transport.rows import CAUSES, match_runs
+from specshim.patches._transport.threads import lent_threads
 from specshim.patches.main import request_args
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 from specshim._types import Incompatible, NotNeeded
-from specshim.patches._util import adapt_kwargs, declare, parameters, signature_text
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import adapt_kwargs, parameters, signature_text
 
 _EXPECTED = ("vllm_config", "kv_cache_groups", "available_memory")
 

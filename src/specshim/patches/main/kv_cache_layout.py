@@ -31,7 +31,8 @@ import importlib
 from typing import Any
 
 from specshim._types import Incompatible, NotNeeded
-from specshim.patches._util import declare, upstream, wrap
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import upstream, wrap
 
 _RESOLVER = "vllm.v1.attention.backends.utils"
 

@@ -33,7 +33,8 @@ from typing import Any
 from specshim._remote_code import require_consent
 from specshim._settings import require_valid_environment
 from specshim._types import Incompatible
-from specshim.patches._util import declare, parameters
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import parameters
 
 
 def _local(model_path: str) -> Path | str:

@@ -27,7 +27,7 @@ import wrapt
 
 from specshim._settings import trust_remote_code
 from specshim._types import Incompatible
-from specshim.patches._util import declare
+from specshim.patches._declare import declare
 
 
 class _ConsentingTokenizer(wrapt.ObjectProxy):  # type: ignore[misc]

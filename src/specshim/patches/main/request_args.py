@@ -32,7 +32,8 @@ import threading
 from typing import Any
 
 from specshim._types import NotNeeded
-from specshim.patches._util import adapt_kwargs, declare, parameters
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import adapt_kwargs, parameters
 
 # The generator sets this while it builds a scheduler with prefix caching on;
 # see ``block_hasher_for``. One generator per process is the norm, but keep it

@@ -26,7 +26,8 @@ import inspect
 from typing import Any
 
 from specshim._types import Incompatible, NotNeeded
-from specshim.patches._util import declare, upstream, view_method
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import upstream, view_method
 
 
 def collective_rpc(executor: Any, method: Any, *args: Any, **kwargs: Any) -> Any:

@@ -29,7 +29,8 @@ from __future__ import annotations
 from typing import Any
 
 from specshim._types import NotNeeded
-from specshim.patches._util import adapt_kwargs, declare, parameters
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import adapt_kwargs, parameters
 
 
 def scheduler_block_size(vllm_config: Any) -> int:

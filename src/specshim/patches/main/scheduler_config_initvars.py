@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 from specshim._types import NotNeeded
-from specshim.patches._util import adapt_kwargs, declare, parameters, required
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import adapt_kwargs, parameters, required
 
 _FILLED = ("is_encoder_decoder", "max_model_len")
 

@@ -32,7 +32,8 @@ import logging
 from typing import Any
 
 from specshim._types import Incompatible, NotNeeded
-from specshim.patches._util import declare, parameters, wrap
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import parameters, wrap
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,8 @@ import inspect
 from typing import Any
 
 from specshim._types import Incompatible, NotNeeded
-from specshim.patches._util import declare, upstream, view_method
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import upstream, view_method
 
 
 def initialize_from_config(executor: Any, kv_cache_configs: Any) -> Any:

@@ -39,8 +39,10 @@ import time
 import warnings
 from typing import Any
 
+from specshim._environ import scoped_environ
 from specshim._types import Incompatible, NotNeeded
-from specshim.patches._util import declare, scoped_environ, wrap
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import wrap
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from specshim.patches._util import declare, require_callable
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import require_callable
 
 # (term, why it matters, how to restore it); checked by ``violations``.
 CONTRACT: tuple[tuple[str, str, str], ...] = (

@@ -44,7 +44,8 @@ import logging
 from typing import Any
 
 from specshim._types import Incompatible, NotNeeded
-from specshim.patches._util import WORKER, declare
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import WORKER
 from specshim.patches.worker._stack import find_decoder_stack
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from specshim._types import Incompatible, NotNeeded
-from specshim.patches._util import declare
+from specshim.patches._declare import declare
 from specshim.patches.worker._stack import find_decoder_stack
 
 

@@ -40,7 +40,8 @@ import functools
 import inspect
 from typing import Any
 
-from specshim.patches._util import declare, require_callable
+from specshim.patches._declare import declare
+from specshim.patches._wrappers import require_callable
 from specshim.patches.worker._stack import find_decoder_stack
 
 

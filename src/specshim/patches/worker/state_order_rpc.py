@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from specshim._types import Incompatible
-from specshim.patches._util import declare
+from specshim.patches._declare import declare
 
 
 def expect_rows(self: Any, sequences: list[list[int]]) -> None:

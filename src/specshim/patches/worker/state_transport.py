@@ -19,7 +19,7 @@ Why:
     the guard proves exactly what is returned and takes its fast path), copies
     them once into a slab of shared, pinned host memory and replies with a
     small descriptor that maps the slab in the main process
-    (``_shared_states``). speculators gets CPU tensors of the same values,
+    (``shared_states``). speculators gets CPU tensors of the same values,
     shape and dtype as before and slices them as before; each clone it takes
     of a sequence's slice is handed the slab's rows under it instead of a
     fresh copy, and the slab is reused only once the caller has let go of
@@ -41,14 +41,14 @@ from typing import Any
 
 from specshim._base import SpecShimError
 from specshim._types import Incompatible
-from specshim.patches._rows import match_runs
-from specshim.patches._util import declare
-from specshim.patches.worker._shared_states import (
+from specshim.patches._declare import declare
+from specshim.patches._transport.rows import match_runs
+from specshim.patches._transport.shared_states import (
     HostRegion,
     OwnedRows,
     SharedStates,
 )
-from specshim.patches.worker._slab import HEADER
+from specshim.patches._transport.slab import HEADER
 
 Piece = tuple[int, int, int]  # (forward, first row in it, rows)
 _ALIGN = 4096  # each layer's rows start on a page

@@ -1,0 +1,17 @@
+"""``specshim extract``: dataset in, speculators' training files out.
+
+Rooms:
+
+* ``command``: the command itself: opens ``--out``, starts the generator,
+  feeds it and hands each batch to the writer; its closing lines.
+* ``options``: what the command line asks for (``ExtractOptions``).
+* ``plan``: the options checked against the model and the host, frozen into
+  a ``RunPlan`` (step budget, layers, tensor parallelism, KV cache).
+* ``feed``: the samples still to do, in batches, resumed where ``--out``
+  stops.
+* ``writer``: each batch's files, written on threads and committed to the
+  manifest in order.
+* ``startup``: progress lines while vLLM starts.
+* ``parallel`` and ``shard_host``: ``--data-parallel N``, one shard per GPU
+  slot on one host, their lives tied to the command's.
+"""

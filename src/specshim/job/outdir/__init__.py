@@ -1,0 +1,11 @@
+"""What ``--out`` holds, and the only code that writes it.
+
+Rooms:
+
+* ``store``: the directory (one run at a time), its samples and their
+  files; settling what a killed run left behind.
+* ``manifest``: the record of which files are whole, with their sizes and
+  checksums; a file counts only once the manifest describes it.
+* ``data_config``: ``data_config.json``, the settings the samples were
+  extracted with, published once and checked by every later run.
+"""

@@ -1,0 +1,22 @@
+"""The hand-over: how a call's captured states leave the workers and become
+the caller's, in one place.
+
+Rooms:
+
+* ``slab``: a slab's header words, shared by both sides.
+* ``shared_states``: the worker's side. Slabs of shared, pinned host memory
+  in ``/dev/shm``, the descriptor that maps one in the main process, and the
+  fallback (rows as numpy, copied on arrival) where no slab can be had.
+* ``handed_states``: the main process's side. A descriptor mapped into the
+  call's layers, the lease that gives a slab back once the caller lets go of
+  every tensor over it, and the clones handed their own rows.
+* ``rows``: which captured rows are which sequence's (from the tokens and
+  positions the forward recorded), used to lay them out in input order in
+  the worker and to prove them in the main process.
+* ``threads``: the main process's copies on more than one core, where the
+  states are copied after all.
+
+The patches that use it: ``worker/state_transport.py`` (the worker's reply)
+and ``main/generate_guard.py`` (the proof). Who owns what and when:
+``shared_states``' docstring, and ../shared/design/state-transport.md.
+"""

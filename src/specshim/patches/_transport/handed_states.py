@@ -1,0 +1,236 @@
+"""The main process's side of ``shared_states``: a worker's descriptor
+mapped into the call's layers, and the clones of their slices handed over.
+
+See ``shared_states`` for the slabs and the lifetime rule. ``attach`` maps
+a slab (once per slab: the mapping is kept while its worker keeps the slab)
+and returns each layer as a ``HandOver`` tensor viewing its rows. A
+``_Lease`` is one fetch's hold on its slab: every tensor handed out keeps it
+alive, and when the last one goes its finalizer writes the fetch's
+generation into the slab's "released" word, which is what lets the worker
+write there again.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import weakref
+from typing import Any
+
+from specshim._base import pid_alive
+from specshim._closing import when_workers_gone
+from specshim.patches._transport.slab import HEADER, read_word, unlink_quietly
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    dtype = getattr(torch, name.rsplit(".", 1)[-1], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name}")
+    return dtype
+
+
+class Unattached:
+    """What a descriptor's layers become when the main process cannot map
+    them: any use raises one line that says why (raising during unpickling
+    would break vLLM's reply queue instead)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def _refuse(self, *_: Any) -> Any:
+        from specshim._base import SpecShimError
+
+        raise SpecShimError(self.reason)
+
+    __getitem__ = __len__ = __iter__ = _refuse
+
+
+_ATTACHED: dict[str, mmap.mmap] = {}  # path -> mapping, while its worker keeps it
+
+
+def attach(path: str, generation: int, layers: Any, retired: Any = ()) -> list[Any]:
+    """Main process: the call's layers, each a ``HandOver`` viewing its rows
+    (``layers`` holds each one's offset, shape and dtype)."""
+    for old in retired:
+        _ATTACHED.pop(old, None)  # views still held keep the memory alive
+    mapping = _ATTACHED.get(path)
+    if mapping is None:
+        mapping = _map(path)
+        if isinstance(mapping, Unattached):
+            return [mapping for _ in layers]
+    found = read_word(mapping, 0)
+    if found != generation:
+        stale = Unattached(
+            f"the captured states in {path} are of fetch {found}, not of fetch "
+            f"{generation}: they were overwritten before this process read them "
+            "(a specshim bug; please report it)"
+        )
+        return [stale for _ in layers]
+    lease = _Lease.of_slab(mapping, generation)
+    return [lease.layer(offset, shape, dtype) for offset, shape, dtype in layers]
+
+
+def received(raw: Any, shape: Any, dtype: str) -> Any:
+    """Main process: the fallback's rows as a ``HandOver`` over a copy this
+    process owns.
+
+    ``raw`` is whatever vLLM's message queue handed ``pickle.loads`` for the
+    out-of-band buffer, and it is never the caller's to keep: a reply that
+    fits one chunk of the queue is read in place from the queue's
+    shared-memory ring (writable memory that the worker writes the next
+    messages into: rows handed out over it changed a few calls later), a
+    larger one arrives as zmq frames (read-only), and an older vLLM sends it
+    in band. Who owns the memory cannot be told from the buffer, so it is
+    always copied before anything is handed out."""
+    return _Lease(raw.copy()).layer(0, shape, dtype)
+
+
+def _map(path: str) -> Any:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        return Unattached(
+            f"the captured states are in {path}, which this process cannot "
+            f"open ({exc.strerror}): tensor-parallel rank 0 must run on the "
+            "same host as the process that calls generate(); "
+            "SPECSHIM_DISABLE=state-transport sends them through vLLM's "
+            "RPC queue instead (slow)"
+        )
+    try:
+        mapping = mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+    forget(())  # workers that exited without their generator's close()
+    _ATTACHED[path] = mapping
+    unlink_quietly(path)
+    return mapping
+
+
+def forget(pids: Any) -> None:
+    """Drop this process's mappings of the slabs of the workers ``pids``
+    (their generator was closed or collected: none of them is written again).
+    Tensors still held keep their own slab mapped until they go; the rest is
+    unmapped here, not whenever a later generator maps a slab."""
+    gone = set(pids)
+    for path in list(_ATTACHED):
+        owner = _owner_pid(path)
+        if owner in gone or not pid_alive(owner):
+            del _ATTACHED[path]
+
+
+when_workers_gone(forget)  # a closed generator's slabs are unmapped
+
+
+def _owner_pid(path: str) -> int:
+    """The worker pid in ``.../specshim-states-PID-TOKEN-TOKEN``."""
+    return int(os.path.basename(path).split("-")[2])
+
+
+def _release(mapping: Any, generation: int) -> None:
+    """The main process holds nothing over this fetch's slab any more."""
+    try:
+        mapping[8:16] = generation.to_bytes(8, "little")
+    except ValueError:  # the mapping was closed: nobody will reuse it
+        pass
+
+
+class _Lease:
+    """Memory the main process alone holds, as a numpy array of bytes that
+    every tensor handed out keeps alive (through the numpy views under their
+    storages): a fetch's slab (released to the worker when the last tensor
+    goes), or the fallback's received buffer (nothing to release)."""
+
+    def __init__(self, array: Any, floor: int = 0) -> None:
+        self.array, self.floor = array, floor  # rows start at ``floor``
+        self.address = array.ctypes.data
+        self.taken: list[tuple[int, int]] = []  # byte ranges handed out
+
+    @classmethod
+    def of_slab(cls, mapping: Any, generation: int) -> _Lease:
+        import numpy as np
+
+        lease = cls(np.frombuffer(mapping, dtype=np.uint8), HEADER)
+        weakref.finalize(lease.array, _release, mapping, generation).atexit = False
+        return lease
+
+    def tensor(self, start: int, nbytes: int, dtype: Any, shape: Any) -> Any:
+        import torch
+
+        raw = torch.from_numpy(self.array[start : start + nbytes])
+        return raw.view(dtype).view(*shape)
+
+    def layer(self, offset: int, shape: Any, dtype: str) -> Any:
+        kind = _dtype(dtype)
+        nbytes = math.prod(int(size) for size in shape) * kind.itemsize
+        rows = self.tensor(self.floor + offset, nbytes, kind, shape)
+        rows = rows.as_subclass(hand_over_class())
+        rows._specshim_lease = self
+        return rows
+
+    def take(self, view: Any) -> Any | None:
+        """The rows under ``view`` as a tensor of their own, or None where they
+        are not a contiguous range no earlier clone was given."""
+        if not view.is_contiguous() or view.numel() == 0:
+            return None
+        start = view.data_ptr() - self.address
+        end = start + view.numel() * view.element_size()
+        if start < self.floor or end > self.array.size:
+            return None
+        if any(start < b and a < end for a, b in self.taken):
+            return None
+        self.taken.append((start, end))
+        return self.tensor(start, end - start, view.dtype, view.shape)
+
+
+def _hand_over_class() -> Any:
+    import torch
+
+    class HandOver(torch.Tensor):
+        """A layer of a fetch's slab (see the module docstring): its slices
+        stay ``HandOver``; a clone of a slice gets the slice's own rows."""
+
+        @classmethod
+        def __torch_function__(
+            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            kwargs = kwargs or {}
+            lease = getattr(args[0], "_specshim_lease", None) if args else None
+            if func is torch.Tensor.clone and lease is not None and _plain(kwargs):
+                owned = lease.take(args[0])
+                if owned is not None:
+                    return owned
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            if func is torch.Tensor.__getitem__ and lease is not None:
+                out = out.as_subclass(HandOver)
+                out._specshim_lease = lease
+            return out
+
+        def __reduce_ex__(self, protocol: Any) -> Any:  # pickles as a plain tensor
+            with torch._C.DisableTorchFunctionSubclass():
+                return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+    return HandOver
+
+
+def _plain(kwargs: dict[str, Any]) -> bool:
+    import torch
+
+    memory_format = kwargs.get("memory_format", torch.preserve_format)
+    return set(kwargs) <= {"memory_format"} and memory_format in (
+        torch.preserve_format,
+        torch.contiguous_format,
+    )
+
+
+_HAND_OVER: list[Any] = []
+
+
+def hand_over_class() -> Any:
+    """``HandOver``, built once (torch is imported only where it is used)."""
+    if not _HAND_OVER:
+        _HAND_OVER.append(_hand_over_class())
+    return _HAND_OVER[0]

@@ -1,0 +1,284 @@
+"""Captured states from a worker to the main process through shared host memory.
+
+The worker (tensor-parallel rank 0, which always shares the main process's
+host) copies a call's rows into a slab: one mapping of a file in
+``/dev/shm``, pinned for the GPU's copy engine where CUDA allows it. It
+replies with one small ``SharedStates`` descriptor. Unpickled in the main
+process, the descriptor maps the same file and becomes the list of layers,
+each a CPU tensor viewing the slab: no tensor is pickled, nothing lands on
+the main process's GPU, and the states are copied once on their way out of
+the worker instead of through ``torch.save``. This module is the worker's
+side; ``handed_states`` is the main process's.
+
+The layers are ``HandOver`` tensors. speculators clones every sequence's
+slice of them (``h[a:b].clone().cpu()``); a ``HandOver`` answers such a clone
+with a tensor of its own over exactly those rows of the slab, instead of a
+copy into fresh memory (on an H200 host those copies took half of
+``generate()``'s time). The caller gets an ordinary CPU tensor, with its own
+storage of exactly its rows (``torch.save`` writes the same bytes as for a
+clone), that nothing else writes to. The one difference: its storage cannot
+be resized.
+
+Lifetime, the rule everything here relies on:
+
+* A slab holds one call's states and is the caller's until the main process
+  lets go of every tensor over it (the layers, their slices and what their
+  clones returned): then a finalizer stamps the slab's header "released".
+* The worker writes only into a slab that is new or released. A call that
+  finds none free gets a new slab; a free slab too small for the call is
+  retired, and the next descriptor tells the main process to drop its mapping.
+  Where the caller keeps the states of ``MAX_SLABS`` calls alive, the next
+  calls' states travel as numpy arrays instead (a warning says so once).
+* Each fetch stamps a generation number into the slab's header after the
+  copies are complete; a descriptor attaches only to the generation it names,
+  so a stale one refuses to be read instead of returning other rows.
+* The main process unlinks a slab's file once it has mapped it (the worker
+  mapped it first), so a killed run leaves nothing in ``/dev/shm``; a worker
+  unlinks whatever the main process never attached when it exits.
+
+Where no slab can be had (``/dev/shm`` missing or too small: a container's
+default is 64 MiB; or ``SPECSHIM_SHM_MIB``, the most the slabs may take), the
+states travel as numpy arrays instead, which vLLM's message queue sends out
+of band, and the main process copies them into memory of its own before
+handing them over (``handed_states.received``); a warning names the cause
+and the cost once per worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import logging
+import mmap
+import os
+import secrets
+from typing import Any
+
+from specshim._base import SHM_LIMIT, shm_limit
+from specshim.patches._transport.slab import HEADER, read_word, unlink_quietly
+
+logger = logging.getLogger(__name__)
+
+MAX_SLABS = 8  # calls whose states the caller may hold before the fallback
+_GROW = 1.25  # headroom, so slowly rising batch sizes do not retire slabs often
+_DIRECTORY = "/dev/shm"
+_COST = (
+    "every byte of those states is copied twice more on the host (into vLLM's "
+    "queue and out of it): on an H200, generate() ran at 0.23 of its speed "
+    "with slabs (docs/gpu.md, 'In a container')"
+)
+
+
+def slab_size(nbytes: int) -> int:
+    """The bytes of a new slab for a call whose states take ``nbytes``: its
+    header and the call's rows, with headroom, in whole pages."""
+    size = HEADER + int(nbytes * _GROW) + 1
+    return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+class SharedStates:
+    """Pickles as the instruction to map a worker's rows (see ``attach``)."""
+
+    def __init__(
+        self, path: str, generation: int, layers: Any, retired: Any = ()
+    ) -> None:
+        self.args = (
+            path,
+            generation,
+            tuple((int(o), tuple(s), str(d)) for o, s, d in layers),
+            tuple(retired),
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from specshim.patches._transport.handed_states import attach
+
+        return attach, self.args
+
+
+class OwnedRows:
+    """The fallback: rows as a numpy array of bytes (sent out of band by
+    vLLM's message queue), copied into the main process's own memory and
+    handed over from there like a slab's."""
+
+    def __init__(self, rows: Any) -> None:
+        self.rows = rows.contiguous()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from specshim.patches._transport.handed_states import received
+
+        raw = self.rows.view(-1).view(_uint8()).numpy()
+        return received, (raw, tuple(self.rows.shape), str(self.rows.dtype))
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+class Slab:
+    """One file in ``/dev/shm``, mapped by the worker."""
+
+    def __init__(self, path: str, size: int) -> None:
+        import torch
+
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # tmpfs allocates lazily: reserve now, or a full /dev/shm kills the
+            # worker with SIGBUS in the middle of a copy.
+            os.posix_fallocate(fd, 0, size)
+            mapping = mmap.mmap(fd, size)
+        except OSError:
+            unlink_quietly(path)
+            raise
+        finally:
+            os.close(fd)
+        self.path, self.mapping = path, mapping
+        self.base = torch.frombuffer(mapping, dtype=torch.uint8)
+        self.generation = 0
+        self.pinned = False
+
+    @property
+    def capacity(self) -> int:
+        return self.base.numel() - HEADER
+
+    def free(self) -> bool:
+        """New, or released by the main process since its last fetch."""
+        return self.generation == read_word(self.mapping, 8)
+
+    def stamp(self, generation: int) -> None:
+        self.generation = generation
+        self.mapping[:8] = generation.to_bytes(8, "little")
+
+    def pin(self) -> bool:
+        import torch
+
+        result = torch.cuda.cudart().cudaHostRegister(
+            self.base.data_ptr(), self.base.numel(), 0
+        )
+        if getattr(result, "value", result) != 0:
+            logger.warning(
+                "specshim: could not pin %d MiB of shared memory for the captured "
+                "states (cudaHostRegister: %s); copies go unpinned, more slowly",
+                self.base.numel() >> 20,
+                result,
+            )
+            return False
+        self.pinned = True
+        return True
+
+    def close(self) -> None:
+        """Unpin and drop the mapping; remove the file if nobody attached it."""
+        if self.pinned:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
+        self.pinned = False
+        self.base = self.mapping = None  # views elsewhere keep the memory alive
+        unlink_quietly(self.path)
+
+
+class HostRegion:
+    """A worker's slabs (see the module docstring for who may write them and
+    when)."""
+
+    def __init__(self, directory: str = _DIRECTORY) -> None:
+        self.directory = directory
+        self.prefix = f"specshim-states-{os.getpid()}-{secrets.token_hex(4)}"
+        self.slabs: list[Slab] = []
+        self.retired: list[str] = []  # closed since the last descriptor
+        self.generation = 0
+        self.pin_failed = False
+        self.failure: str | None = None  # why the fallback is in use for good
+        self.limit = shm_limit()  # bytes the slabs may take (None: no cap)
+        self.warned: set[str] = set()  # the causes already logged
+        atexit.register(self.close)
+
+    def reserve(self, nbytes: int, pin: bool) -> Slab | None:
+        """A free slab of at least ``nbytes``, or None: this call's states
+        take the fallback (``failure`` says why, where it is for good)."""
+        if self.failure is not None:
+            return None
+        free = [s for s in self.slabs if s.free()]
+        fitting = [s for s in free if s.capacity >= nbytes]
+        if fitting:
+            slab = min(fitting, key=lambda s: s.capacity)
+        else:
+            if free:
+                self._retire(min(free, key=lambda s: s.capacity))
+            elif len(self.slabs) >= MAX_SLABS:
+                self._full()
+                return None
+            slab = self._grow(slab_size(nbytes))
+            if slab is None:
+                return None
+        if pin and not (slab.pinned or self.pin_failed):
+            self.pin_failed = not slab.pin()
+        return slab
+
+    def stamp(self, slab: Slab) -> int:
+        """Mark ``slab`` as holding a new fetch's rows (after the copies)."""
+        self.generation += 1
+        slab.stamp(self.generation)
+        return self.generation
+
+    def take_retired(self) -> tuple[str, ...]:
+        retired, self.retired = tuple(self.retired), []
+        return retired
+
+    def _grow(self, size: int) -> Slab | None:
+        taken = sum(slab.base.numel() for slab in self.slabs)
+        if self.limit is not None and taken + size > self.limit:
+            return self._refused(
+                "limit",
+                f"{SHM_LIMIT}={self.limit >> 20} leaves no room for a slab of "
+                f"{size / 2**20:.0f} MiB of captured states",
+                lasting=self.limit == 0,
+            )
+        path = os.path.join(self.directory, f"{self.prefix}-{secrets.token_hex(4)}")
+        try:
+            slab = Slab(path, size)
+        except OSError as exc:
+            return self._refused(
+                "space",
+                f"{self.directory} could not hold {size / 2**20:.0f} MiB of "
+                f"captured states ({exc.strerror or exc}); a container needs a "
+                "larger /dev/shm (docker run --shm-size=16g, or --ipc=host)",
+                lasting=not self.slabs and exc.errno != errno.ENOSPC,
+            )
+        self.slabs.append(slab)
+        return slab
+
+    def _refused(self, kind: str, cause: str, lasting: bool = False) -> None:
+        """No new slab: this call's states take the fallback, for good where
+        ``lasting`` (no shared memory at all). Each kind of cause is logged
+        once, with the first call's figures."""
+        if lasting:
+            self.failure = cause
+        if kind not in self.warned:
+            self.warned.add(kind)
+            logger.warning(
+                "specshim: %s; the states of calls that find no free slab travel "
+                "through vLLM's message queue instead: %s",
+                cause,
+                _COST,
+            )
+        return None
+
+    def _retire(self, slab: Slab) -> None:
+        self.slabs.remove(slab)
+        self.retired.append(slab.path)
+        slab.close()
+
+    def _full(self) -> None:
+        self._refused(
+            "held",
+            f"the caller still holds the captured states of {MAX_SLABS} "
+            "generate() calls (each keeps its slab)",
+        )
+
+    def close(self) -> None:
+        """Drop every slab (files nobody attached are removed)."""
+        for slab in self.slabs:
+            slab.close()
+        self.slabs = []

@@ -1,0 +1,85 @@
+"""The request_args patch, against Request shapes of releases and nightlies."""
+
+from __future__ import annotations
+
+import pytest
+
+from specshim._types import NotNeeded
+from specshim.patches.main import request_args
+
+from ._main_patch_helpers import _applied, _vllm_config
+
+
+class RequestNightly:
+    """The 0.16 nightly shape: no eos_token_id."""
+
+    def __init__(
+        self,
+        request_id,
+        prompt_token_ids,
+        sampling_params,
+        pooling_params,
+        arrival_time=None,
+        block_hasher=None,
+    ):
+        self.__dict__.update(locals())
+
+
+class Request016:
+    def __init__(
+        self,
+        request_id,
+        prompt_token_ids,
+        sampling_params,
+        pooling_params,
+        eos_token_id,
+        arrival_time=None,
+        block_hasher=None,
+    ):
+        self.__dict__.update(locals())
+
+
+class Request011:
+    def __init__(
+        self,
+        request_id,
+        prompt_token_ids,
+        sampling_params,
+        pooling_params,
+        eos_token_id,
+        arrival_time=None,
+    ):
+        pass
+
+
+SPECULATORS_REQUEST_KWARGS = dict(
+    request_id="req_0_0",
+    prompt_token_ids=[1],
+    sampling_params=None,
+    pooling_params=None,
+    eos_token_id=2,
+    arrival_time=0.0,
+)
+
+
+def test_request_without_eos_token_id_nightly():
+    make = _applied(request_args, RequestNightly)
+    req = make(**SPECULATORS_REQUEST_KWARGS)
+    assert req.block_hasher is None and not hasattr(req, "eos_token_id")
+
+
+def test_request_release_keeps_eos_and_gets_hasher_when_caching_is_on():
+    make = _applied(request_args, Request016)
+    assert make(**SPECULATORS_REQUEST_KWARGS).eos_token_id == 2
+    hasher = object()
+    request_args.set_block_hasher(hasher)
+    try:
+        assert make(**SPECULATORS_REQUEST_KWARGS).block_hasher is hasher
+    finally:
+        request_args.set_block_hasher(None)
+    assert request_args.block_hasher_for(_vllm_config(caching=False)) is None
+
+
+def test_request_not_needed_on_011():
+    with pytest.raises(NotNeeded):
+        request_args.PATCH.probe(Request011)
