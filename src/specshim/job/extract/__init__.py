@@ -12,6 +12,8 @@ Rooms:
 * ``writer``: each batch's files, written on threads and committed to the
   manifest in order.
 * ``startup``: progress lines while vLLM starts.
+* ``prefixes``: which samples share full KV blocks, the order that runs them
+  together and the rows their reuse holds (planned, not yet run: issue 47).
 * ``parallel`` and ``shard_host``: ``--data-parallel N``, one shard per GPU
   slot on one host, their lives tied to the command's.
 """
