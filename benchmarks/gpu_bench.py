@@ -61,7 +61,10 @@ def spawn(args: argparse.Namespace, part: str, **options: Any) -> dict[str, Any]
     env = dict(os.environ)
     if part in ("native", "generate-v1"):
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # native extraction is V1-only
-    label = part + "".join(f"@{v}" for v in options.values())
+    # extract@t4: the writer's pool at 4 threads; extract@32768: a step budget
+    label = part + "".join(
+        f"@{'t' if k == 'threads' else ''}{v}" for k, v in options.items()
+    )
     command = [
         *(sys.executable, __file__, "--part", part, "--model", args.model),
         *("--work", str(args.work), "--results", str(args.results)),
@@ -110,11 +113,14 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
                 parts[f"{part}@{budget}"] = spawn(args, part, budget=budget)
         else:
             parts[part] = spawn(args, part)
+        if part == "extract" and args.writer_threads:
+            for threads in args.writer_threads.split(","):
+                parts[f"extract@t{threads}"] = spawn(args, part, threads=threads)
         kept.write_text(json.dumps(parts))
     return parts
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="llama-1b")
     parser.add_argument("--samples", type=int, default=None)
@@ -128,6 +134,12 @@ def main() -> int:
         "--max-batched-tokens; comma-separated)",
     )
     parser.add_argument(
+        "--writer-threads",
+        default="",
+        help="also run extract with its writer's pool at these sizes "
+        "(SPECSHIM_WRITER_THREADS; comma-separated)",
+    )
+    parser.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -137,7 +149,12 @@ def main() -> int:
     parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--util", default="default", help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> int:
+    args = _parser().parse_args()
     args.model_dir = args.work / args.model
     if args.part:
         run_part(args)

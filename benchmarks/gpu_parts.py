@@ -209,8 +209,13 @@ def part_extract(args: argparse.Namespace, data: list[list[int]]) -> dict[str, A
     ]
     if args.budget:
         command += ["--max-batched-tokens", str(args.budget)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    name = f"extract{'@' + str(args.budget) if args.budget else ''}-{args.model}"
+    env = dict(os.environ)
+    if args.threads:  # the writer's pool (extract's own choice: 8 on a GPU host)
+        env["SPECSHIM_WRITER_THREADS"] = str(args.threads)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    variant = f"@{args.budget}" if args.budget else ""
+    variant += f"@t{args.threads}" if args.threads else ""
+    name = f"extract{variant}-{args.model}"
     (args.results / f"{name}.specshim.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise RuntimeError(f"extract exited {done.returncode}: {done.stderr[-800:]}")

@@ -196,7 +196,7 @@ def _notes(name: str, s: dict[str, Any]) -> list[str]:
             f"threads' files, committed {timing['writer_committing']} s and "
             f"waited for batches {timing['writer_idle']} s."
         )
-    notes += _step_notes(name, s)
+    notes += _step_notes(name, s) + _thread_notes(name, s)
     met = s.get("targets") or {}
     if met:
         notes.append(
@@ -254,3 +254,20 @@ def _budget(found: Any) -> str:
     if isinstance(found, list):
         return f"{found[0]:,} ({found[1]})"
     return f"{found:,}"
+
+
+def _thread_notes(name: str, s: dict[str, Any]) -> list[str]:
+    """extract's rate at each size of its writer's pool (``--writer-threads``)."""
+    rates = s["tok_per_s"]
+    found = sorted(
+        (int(k.split("@t")[1]), rate)
+        for k, rate in rates.items()
+        if k.startswith("extract@t") and k.split("@t")[1].isdigit()
+    )
+    if not found:
+        return []
+    return [
+        f"- {name}: extract with its writer's threads at "
+        + ", ".join(f"{threads}: {rate:,}" for threads, rate in found)
+        + f" tok/s (at its own choice: {rates.get('extract', 0):,})."
+    ]

@@ -208,3 +208,23 @@ def test_bench_gpus_generate_runs_at_extracts_step_budget(bench):
     chosen = GPU_STEP_DEFAULTS["max_batched_tokens"]
     assert parts.generate_budget(argparse.Namespace(budget=0)) == chosen
     assert parts.generate_budget(argparse.Namespace(budget=8192)) == 8192
+
+
+def test_bench_gpu_says_extracts_rate_at_each_writer_pool_size(bench):
+    """--writer-threads runs extract again with SPECSHIM_WRITER_THREADS at each
+    size: the table keeps extract's own run, a note lists the others."""
+    summary_module = bench("gpu_summary")
+    parts = {
+        "prefill@default": {"seconds": 4.0, "passes": [4.0, 4.1], "settings": {}},
+        "generate": {"seconds": 5.0},
+        "extract": {"seconds": 10.0},
+        "extract@t1": {"seconds": 8.0},
+        "extract@t4": {"seconds": 12.5},
+    }
+    s = summary_module.summarise("kimi-width", parts, 1_000_000)
+    assert s["extract_vs_generate"] == 0.5  # extract's own run, not a variant
+    text = summary_module.render({"kimi-width": s})
+    assert (
+        "kimi-width: extract with its writer's threads at 1: 125,000, 4: 80,000 "
+        "tok/s (at its own choice: 100,000)." in text
+    )
