@@ -92,9 +92,10 @@ MODELS: dict[str, tuple[str, dict[str, Any], list[int]]] = {
         [2, 6, 9],
     ),
     # Kimi-K2.5's width (7,168, 64 heads, 2,048-wide experts) and its four
-    # captured layers: 57,344 bytes of states a token, the flagship's. Five
-    # layers (25 GB): 64 experts, not 384, and 5 layers, not 61, so that the
-    # checkpoint is built, loaded and written within a lent session.
+    # captured layers: 57,344 bytes of states a token, the flagship's. 64
+    # experts, not 384; as many layers as fit one GPU at extract's memory
+    # setting (``fitting_layers``: 18 on an H200), its weights drawn by vLLM
+    # (``DUMMY_WEIGHTS``); 5 layers where it is built on the CPU.
     "kimi-width": (
         "deepseek_v3",
         {
@@ -112,8 +113,61 @@ MODELS: dict[str, tuple[str, dict[str, Any], list[int]]] = {
 }
 
 # Samples per model where 1,024 would not fit the lent host's 64 GB disk
-# beside the checkpoint (kimi-width: 57 KB of states a token).
-SAMPLES = {"kimi-width": 256}
+# (kimi-width: 57 KB of states a token, 26 GB for 512 samples).
+SAMPLES = {"kimi-width": 512}
+
+# Models whose weights vLLM draws itself (``load_format="dummy"``): no
+# checkpoint on the disk, so the model is as deep as the GPU holds, not as the
+# lent host's 64 GB disk and a session's minutes allow. The checkpoint folder
+# holds the config and the tokenizer only.
+DUMMY_WEIGHTS = {"kimi-width"}
+
+# What a step of extract needs beside the weights at 32,768 tokens on a
+# Kimi-width model: activations, the MoE kernels' buffers, the captured states
+# of a step and a batch's KV cache (bytes; generous).
+_HEADROOM = 16 << 30
+
+
+def layer_parameters(overrides: dict[str, Any]) -> tuple[int, int, int]:
+    """A DeepSeek-V3 model's parameters: (a dense layer, a MoE layer, the
+    embeddings and head), as transformers builds them."""
+    c = {**_deepseek_defaults(), **overrides}
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    attention = (
+        h * c["q_lora_rank"]
+        + c["q_lora_rank"]
+        + c["q_lora_rank"] * heads * qk
+        + h * (c["kv_lora_rank"] + c["qk_rope_head_dim"])
+        + c["kv_lora_rank"]
+        + c["kv_lora_rank"] * heads * (c["qk_nope_head_dim"] + c["v_head_dim"])
+        + heads * c["v_head_dim"] * h
+    )
+    norms = 2 * h
+    dense = attention + norms + 3 * h * c["intermediate_size"]
+    experts = c["n_routed_experts"] + c["n_shared_experts"]
+    moe = attention + norms + 3 * h * c["moe_intermediate_size"] * experts
+    moe += c["n_routed_experts"] * h  # the router (its bias is a buffer)
+    embeddings = 2 * c["vocab_size"] * h + h  # embed, lm_head, final norm
+    return dense, moe, embeddings
+
+
+def fitting_layers(
+    overrides: dict[str, Any], gpu_bytes: int, utilization: float = 0.8
+) -> int:
+    """How many layers of this DeepSeek-V3 model fit ``gpu_bytes`` at vLLM's
+    ``gpu_memory_utilization`` (bfloat16 weights, ``_HEADROOM`` for a step)."""
+    dense, moe, embeddings = layer_parameters(overrides)
+    first = overrides.get("first_k_dense_replace", 1)
+    room = int(gpu_bytes * utilization) - _HEADROOM
+    room -= 2 * (embeddings + first * dense)
+    return first + max(0, room // (2 * moe))
+
+
+def _deepseek_defaults() -> dict[str, Any]:
+    from specshim.job.inputs.tiny_checkpoints import COMMON, deepseek_v3_config
+
+    return deepseek_v3_config(**{**COMMON, "vocab_size": VOCAB})
 
 
 def state_bytes_per_token(model: str) -> int:
@@ -135,6 +189,9 @@ def build_model(name: str, path: Path) -> Path:
     )
 
     arch, overrides, _ = MODELS[name]
+    if name in DUMMY_WEIGHTS:
+        total = torch.cuda.get_device_properties(0).total_memory
+        overrides = {**overrides, "num_hidden_layers": fitting_layers(overrides, total)}
     common = {**COMMON, "vocab_size": VOCAB, "max_position_embeddings": 4096}
     if arch == "llama":
         config = transformers.LlamaConfig(
@@ -144,19 +201,21 @@ def build_model(name: str, path: Path) -> Path:
         config = transformers.DeepseekV3Config(
             **deepseek_v3_config(**{**common, **overrides})
         )
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)  # built in bfloat16: half the memory
-    with torch.device("cuda"):
-        model = getattr(transformers, config.architectures[0])(config)
-    model = model.to(torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
+    if name in DUMMY_WEIGHTS:  # vLLM draws the weights: the config is enough
+        config.save_pretrained(path)
+    else:
+        torch.manual_seed(0)
+        torch.set_default_dtype(torch.bfloat16)  # bfloat16: half the memory
+        with torch.device("cuda"):
+            model = getattr(transformers, config.architectures[0])(config)
+        model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+        del model
     build_tokenizer(path)
     saved = json.loads((path / "config.json").read_text())
     saved.update(torch_dtype="bfloat16", dtype="bfloat16")
     if arch == "deepseek_v3":  # vLLM's loader reads these to accept the bias
         saved.update(topk_method="noaux_tc", scoring_func="sigmoid")
     (path / "config.json").write_text(json.dumps(saved, indent=2))
-    del model
     return path
 
 

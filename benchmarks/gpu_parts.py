@@ -17,9 +17,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-from gpu_models import MODELS, build_model, state_bytes_per_token
+from gpu_models import DUMMY_WEIGHTS, MODELS, build_model, state_bytes_per_token
 
 MAX_MODEL_LEN = 2048
 BATCH = 32
@@ -39,6 +40,8 @@ def _engine(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.util != "default":
         engine["gpu_memory_utilization"] = float(args.util)
+    if args.model in DUMMY_WEIGHTS:
+        engine["load_format"] = "dummy"
     return engine
 
 
@@ -148,6 +151,11 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
     import specshim  # noqa: F401  (first: it arms the patches speculators needs)
     from specshim.testing.worker_probes import backends
 
+    if args.model in DUMMY_WEIGHTS:
+        from dummy_weights import install
+
+        install()
+
     generator = importlib.import_module(
         "speculators.data_generation"
     ).VllmHiddenStatesGenerator(
@@ -201,8 +209,11 @@ def part_extract(args: argparse.Namespace, data: list[list[int]]) -> dict[str, A
     out = args.work / "extract-out"
     shutil.rmtree(out, ignore_errors=True)
     layers = ",".join(str(k) for k in MODELS[args.model][2])
+    specshim = ["-m", "specshim"]
+    if args.model in DUMMY_WEIGHTS:  # specshim, its generator's weights drawn
+        specshim = [str(Path(__file__).with_name("dummy_weights.py"))]
     command = [
-        *(sys.executable, "-m", "specshim", "extract"),
+        *(sys.executable, *specshim, "extract"),
         *("--model", str(args.model_dir), "--data", str(args.work / "data.jsonl")),
         *("--out", str(out), "--layers", layers),
         *("--max-model-len", str(MAX_MODEL_LEN), "--batch-size", str(BATCH)),

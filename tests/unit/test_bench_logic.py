@@ -228,3 +228,44 @@ def test_bench_gpu_says_extracts_rate_at_each_writer_pool_size(bench):
         "kimi-width: extract with its writer's threads at 1: 125,000, 4: 80,000 "
         "tok/s (at its own choice: 100,000)." in text
     )
+
+
+def test_bench_gpus_layer_count_is_what_transformers_builds(bench):
+    """kimi-width is as deep as one GPU holds: the parameter count behind
+    ``fitting_layers`` is the one transformers builds, layer for layer."""
+    import torch
+    import transformers
+
+    from specshim.job.inputs.tiny_checkpoints import COMMON, deepseek_v3_config
+
+    models = bench("gpu_models")
+    _, overrides, _ = models.MODELS["kimi-width"]
+    small = {
+        **overrides,
+        "hidden_size": 256,
+        "intermediate_size": 320,
+        "moe_intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 40,
+        "qk_nope_head_dim": 24,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 20,
+        "n_routed_experts": 6,
+    }
+    dense, moe, embeddings = models.layer_parameters(small)
+    for layers in (1, 3):
+        config = transformers.DeepseekV3Config(
+            **deepseek_v3_config(
+                **{**COMMON, "vocab_size": models.VOCAB, **small}
+                | {"num_hidden_layers": layers}
+            )
+        )
+        with torch.device("meta"):
+            model = transformers.DeepseekV3ForCausalLM(config)
+        built = sum(p.numel() for p in model.parameters())
+        assert built == embeddings + dense + (layers - 1) * moe, layers
+    # one H200 (139.8 GiB) at extract's 0.8: 18 of Kimi-width's layers
+    assert models.fitting_layers(overrides, 150_119_792_640) == 18
+    assert models.fitting_layers(overrides, 24 << 30) == 1  # only the dense one
