@@ -67,7 +67,8 @@ _MISSING = object()
 class Registry:
     """The patches of one process and what became of each: one object, no globals.
 
-    ``register`` adds a patch (its file does this on import); ``apply`` arms
+    ``register`` adds a patch (``load`` registers the patch set it is handed;
+    a patch file only declares its ``PATCH``); ``apply`` arms
     every patch (at once where the target module is loaded, else when it is
     imported); ``revert`` restores every original attribute and removes the
     import hooks, so that a reverted registry leaves no trace. ``loader``
@@ -120,8 +121,15 @@ class Registry:
         return frozenset(self._hooked)
 
     def hand(self, loader: Callable[[], Iterable[Patch]]) -> None:
-        """Give the registry the loader of its patch set (called on first use)."""
+        """Give the registry the loader of its patch set (called on first use);
+        once the set is loaded, another loader is refused (it would register
+        the same patches twice)."""
         with self._lock:
+            if self._loaded and self._loader is not None:
+                raise SpecShimError(
+                    "the registry has loaded its patch set already; hand it a "
+                    "loader before its first use"
+                )
             self._loader, self._loaded = loader, False
 
     def load(self) -> None:

@@ -148,7 +148,7 @@ def test_every_package_of_rooms_opens_with_its_map():
     """Each job package and the patch set say what each of their rooms holds,
     first thing: a docstring that names every module (or folder) inside."""
     packages = [p for p in (SRC / "job").iterdir() if (p / "__init__.py").exists()]
-    packages += [SRC / "patches", SRC / "patches" / "_transport"]
+    packages += [SRC / "job", SRC / "patches", SRC / "patches" / "_transport"]
     for package in packages:
         doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
         assert doc and "Rooms:" in doc, package

@@ -7,7 +7,10 @@ import importlib
 import subprocess
 import sys
 
+import pytest
+
 from specshim import _registry
+from specshim._base import SpecShimError
 
 from ._registry_helpers import SOURCE, _patch
 
@@ -65,4 +68,7 @@ def test_the_registry_is_handed_the_patch_set_in_apply_order():
     fresh = _registry.Registry()
     assert fresh.patches() == []
     fresh.hand(lambda: patches.PATCHES)
+    assert [p.id for p in fresh.patches()] == expected
+    with pytest.raises(SpecShimError, match="loaded its patch set already"):
+        fresh.hand(lambda: patches.PATCHES)  # it would register them twice
     assert [p.id for p in fresh.patches()] == expected

@@ -1,11 +1,20 @@
 """The job: specshim's data pipeline, built on the shim.
 
-``specshim extract`` reads a dataset (``dataset``), decides per sample what
-``--out`` already holds (``store``, ``feed``), generates with the unmodified
-speculators generator and writes speculators' training files (``extract``,
-``writer``); ``status`` and ``verify`` read them back, ``verify`` recomputes
-samples (``references``) and judges them with the agreement bar
-(``agreement``); ``demo`` runs all of it on a tiny model it builds.
+Rooms:
+
+* ``extract``: ``specshim extract``, dataset in, speculators' training files
+  out (its plan, feed, writer and ``--data-parallel``).
+* ``outdir``: what ``--out`` holds: the store, the manifest, data_config.json.
+* ``inputs``: what a run reads: the checkpoint, the dataset, tokenization,
+  and the tiny checkpoints the demo and the tests build.
+* ``verify``: ``specshim verify``, samples recomputed (a Hugging Face forward
+  or the generator alone) and judged against the agreement bar.
+* ``export``: ``specshim export``, a finished output in today's trainers'
+  layout.
+* ``status``: ``specshim status``, how far an output has got, from its
+  manifests alone.
+* ``demo``: all of it on a tiny model it builds.
+* ``kv_cache``: the KV cache a run needs, and vLLM's CPU cache space for it.
 
 The shim (``import specshim``: registry, hooks, settings, patches) never
 imports this package; the command line sits on top of both.

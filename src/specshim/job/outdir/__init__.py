@@ -1,4 +1,5 @@
-"""What ``--out`` holds, and the only code that writes it.
+"""What ``--out`` holds, and where each thing in it goes: extract's writer
+and its shard logs write at the paths the store gives them.
 
 Rooms:
 
