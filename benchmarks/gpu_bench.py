@@ -69,6 +69,7 @@ def spawn(args: argparse.Namespace, part: str, **options: Any) -> dict[str, Any]
         *(sys.executable, __file__, "--part", part, "--model", args.model),
         *("--work", str(args.work), "--results", str(args.results)),
         *("--profile", str(args.profile)),
+        *("--worker-profile", str(args.worker_profile)),
         *(f"--{k}={v}" for k, v in options.items()),
     ]
     log(f"{label}: start")
@@ -144,6 +145,13 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="after the timed run, profile this many batches of generate()",
+    )
+    parser.add_argument(
+        "--worker-profile",
+        type=int,
+        default=0,
+        help="after the timed run, this many batches of generate() under "
+        "torch's profiler in the worker (GPU busy time, copies)",
     )
     parser.add_argument("--part-timeout", type=int, default=300)
     parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)

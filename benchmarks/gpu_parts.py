@@ -177,8 +177,29 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
     found["max_batched_tokens"] = budget
     if args.profile:
         found["profile"] = _profiled(generator, batches[: args.profile])
+    if args.worker_profile:
+        found["worker_profile"] = _worker_profiled(
+            generator, batches[: args.worker_profile]
+        )
     generator.executor.shutdown()
     return found
+
+
+def _worker_profiled(generator: Any, batches: list[Any]) -> dict[str, Any]:
+    """``batches`` under torch's profiler in the worker: the wall time of
+    their generate() calls against the GPU's busy time in kernels and copies
+    (the table of the top operations goes to the part's log)."""
+    from specshim.testing.worker_probes import profile_start, profile_stop
+
+    rpc = generator.executor.collective_rpc
+    rpc(profile_start)
+    start = time.perf_counter()
+    for batch in batches:
+        generator.generate(batch)
+    wall = time.perf_counter() - start
+    found = rpc(profile_stop)[0]
+    print(found.pop("table"), flush=True)
+    return {"calls": len(batches), "wall_s": round(wall, 3)} | found
 
 
 def _profiled(generator: Any, batches: list[Any]) -> str:

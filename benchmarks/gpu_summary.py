@@ -102,6 +102,7 @@ def summarise(model: str, parts: dict[str, Any], tokens: int) -> dict[str, Any]:
         "passes": {k: v["passes"] for k, v in parts.items() if "passes" in v},
         "errors": {k: v["error"] for k, v in parts.items() if "error" in v},
         "backends": parts.get("generate", {}).get("backends"),
+        "worker_profile": parts.get("generate", {}).get("worker_profile"),
         "stack": _stack(),
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -196,7 +197,7 @@ def _notes(name: str, s: dict[str, Any]) -> list[str]:
             f"threads' files, committed {timing['writer_committing']} s and "
             f"waited for batches {timing['writer_idle']} s."
         )
-    notes += _step_notes(name, s) + _thread_notes(name, s)
+    notes += _step_notes(name, s) + _thread_notes(name, s) + _profile_notes(name, s)
     met = s.get("targets") or {}
     if met:
         notes.append(
@@ -270,4 +271,21 @@ def _thread_notes(name: str, s: dict[str, Any]) -> list[str]:
         f"- {name}: extract with its writer's threads at "
         + ", ".join(f"{threads}: {rate:,}" for threads, rate in found)
         + f" tok/s (at its own choice: {rates.get('extract', 0):,})."
+    ]
+
+
+def _profile_notes(name: str, s: dict[str, Any]) -> list[str]:
+    """generate() under the worker's profiler (``--worker-profile``): how much
+    of its wall time the GPU was busy, and in copies."""
+    found = s.get("worker_profile")
+    if not found:
+        return []
+    copies = found.get("copies_us") or {}
+    spelled = ", ".join(f"{k} {v / 1e6:.3f} s" for k, v in sorted(copies.items()))
+    return [
+        f"- {name}: {found['calls']} generate() calls under the worker's "
+        f"profiler took {found['wall_s']} s; the GPU was busy "
+        f"{found['device_us'] / 1e6:.3f} s"
+        + (f", of it copies: {spelled}" if spelled else "")
+        + "."
     ]

@@ -269,3 +269,42 @@ def test_bench_gpus_layer_count_is_what_transformers_builds(bench):
     # one H200 (139.8 GiB) at extract's 0.8: 18 of Kimi-width's layers
     assert models.fitting_layers(overrides, 150_119_792_640) == 18
     assert models.fitting_layers(overrides, 24 << 30) == 1  # only the dense one
+
+
+def test_the_worker_profile_says_how_busy_the_device_was(bench):
+    """--worker-profile: torch's profiler in the worker (here: this process,
+    on the CPU), summed into the device's busy time and copies, and said in
+    gpu.md's notes."""
+    import types
+
+    import torch
+
+    from specshim.testing.worker_probes import profile_start, profile_stop
+
+    worker = types.SimpleNamespace()
+    profile_start(worker)
+    torch.ones(64, 64) @ torch.ones(64, 64)
+    found = profile_stop(worker)
+    assert "aten::mm" in found["table"] and not hasattr(worker, "_specshim_profiler")
+    assert found["device_us"] == 0 and found["copies_us"] == {}  # no GPU here
+    summary_module = bench("gpu_summary")
+    parts = {
+        "prefill@default": {"seconds": 4.0, "passes": [4.0], "settings": {}},
+        "generate": {
+            "seconds": 5.0,
+            "worker_profile": {
+                "calls": 4,
+                "wall_s": 0.6,
+                "device_us": 480_000,
+                "copies_us": {"Memcpy DtoH (Device -> Pinned)": 30_000},
+            },
+        },
+    }
+    text = summary_module.render(
+        {"llama-1b": summary_module.summarise("llama-1b", parts, 1_000_000)}
+    )
+    assert (
+        "llama-1b: 4 generate() calls under the worker's profiler took 0.6 s; "
+        "the GPU was busy 0.480 s, of it copies: Memcpy DtoH (Device -> Pinned) "
+        "0.030 s." in text
+    )

@@ -172,3 +172,40 @@ def use_transport(worker: Any, mode: str) -> None:
     if mode == "pickled":
         original = REGISTRY.record("state-transport").original
         worker._get_captured_states = types.MethodType(original, worker)
+
+
+def profile_start(worker: Any) -> None:
+    """Start torch's profiler in this worker (its CPU and, on a GPU, CUDA
+    activity): what ``make bench-gpu --worker-profile`` times."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    worker._specshim_profiler = torch.profiler.profile(activities=activities)
+    worker._specshim_profiler.start()
+
+
+def profile_stop(worker: Any, rows: int = 25) -> dict[str, Any]:
+    """Stop ``profile_start``'s profiler: the device's busy time in kernels
+    and in copies (microseconds, by kind of copy), and the top ``rows``
+    operations as torch's table."""
+    profiler = worker.__dict__.pop("_specshim_profiler")
+    profiler.stop()
+    events = profiler.key_averages()
+
+    def device_us(event: Any) -> float:
+        for name in ("self_device_time_total", "self_cuda_time_total"):
+            value = getattr(event, name, None)
+            if value is not None:
+                return float(value)
+        return 0.0
+
+    copies = {e.key: round(device_us(e)) for e in events if "memcpy" in e.key.lower()}
+    busy = sum(device_us(e) for e in events)
+    sort = "self_cuda_time_total" if busy else "self_cpu_time_total"
+    return {
+        "device_us": round(busy),
+        "copies_us": {k: v for k, v in copies.items() if v},
+        "table": events.table(sort_by=sort, row_limit=rows),
+    }
