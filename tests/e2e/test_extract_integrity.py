@@ -128,6 +128,7 @@ def test_a_run_that_wrote_nothing_fixes_no_settings(tmp_path, tiny_model_dir):
     assert json.loads((out / "data_config.json").read_text())["max_model_len"] == 512
 
 
+@pytest.mark.extended  # two shards at once: test_extract_parallel's, in CI
 def test_three_shards_started_apart_share_one_directory(tmp_path, tiny_model_dir):
     model = tiny_model_dir("llama")
     data = _dataset(tmp_path / "d.jsonl", 24, 20, 200, seed=5)
