@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_models import MODELS, SAMPLES, build_data
-from gpu_parts import EXTRACT_UTILIZATION, PARTS
+from gpu_parts import EXTRACT_UTILIZATION, PARTS, label
 from gpu_summary import summarise, write_results
 
 HERE = Path(__file__).resolve().parent
@@ -61,10 +61,7 @@ def spawn(args: argparse.Namespace, part: str, **options: Any) -> dict[str, Any]
     env = dict(os.environ)
     if part in ("native", "generate-v1"):
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # native extraction is V1-only
-    # extract@t4: the writer's pool at 4 threads; extract@32768: a step budget
-    label = part + "".join(
-        f"@{'t' if k == 'threads' else ''}{v}" for k, v in options.items()
-    )
+    name = label(part, **options)
     command = [
         *(sys.executable, __file__, "--part", part, "--model", args.model),
         *("--work", str(args.work), "--results", str(args.results)),
@@ -72,9 +69,9 @@ def spawn(args: argparse.Namespace, part: str, **options: Any) -> dict[str, Any]
         *("--worker-profile", str(args.worker_profile)),
         *(f"--{k}={v}" for k, v in options.items()),
     ]
-    log(f"{label}: start")
+    log(f"{name}: start")
     started = time.perf_counter()
-    log_path = args.results / f"{label}-{args.model}.log"
+    log_path = args.results / f"{name}-{args.model}.log"
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, env=env, timeout=args.part_timeout
@@ -82,16 +79,16 @@ def spawn(args: argparse.Namespace, part: str, **options: Any) -> dict[str, Any]
     except subprocess.TimeoutExpired as exc:
         text = (exc.stdout or b"").decode() + (exc.stderr or b"").decode()
         log_path.write_text(text)
-        log(f"{label}: killed after {args.part_timeout} s")
+        log(f"{name}: killed after {args.part_timeout} s")
         return {"error": f"timed out after {args.part_timeout} s"}
     log_path.write_text(done.stdout + done.stderr)
     lines = [x for x in done.stdout.splitlines() if x.startswith("BENCH ")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        log(f"{label}: FAILED ({done.returncode}): {' | '.join(tail)}")
+        log(f"{name}: FAILED ({done.returncode}): {' | '.join(tail)}")
         return {"error": " | ".join(tail)[-600:]}
     found = json.loads(lines[-1][6:])
-    log(f"{label}: done in {time.perf_counter() - started:.0f} s")
+    log(f"{name}: done in {time.perf_counter() - started:.0f} s")
     return found
 
 
@@ -107,16 +104,16 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
             continue
         if part in PEERS:
             for util in ("default", str(EXTRACT_UTILIZATION)):
-                parts[f"{part}@{util}"] = spawn(args, part, util=util)
+                parts[label(part, util=util)] = spawn(args, part, util=util)
         elif part in ("generate", "extract") and args.budgets:
             parts[part] = spawn(args, part)
             for budget in args.budgets.split(","):
-                parts[f"{part}@{budget}"] = spawn(args, part, budget=budget)
+                parts[label(part, budget=budget)] = spawn(args, part, budget=budget)
         else:
             parts[part] = spawn(args, part)
         if part == "extract" and args.writer_threads:
             for threads in args.writer_threads.split(","):
-                parts[f"extract@t{threads}"] = spawn(args, part, threads=threads)
+                parts[label(part, threads=threads)] = spawn(args, part, threads=threads)
         kept.write_text(json.dumps(parts))
     return parts
 

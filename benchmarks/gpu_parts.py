@@ -28,6 +28,15 @@ PASSES = 2
 EXTRACT_UTILIZATION = 0.8  # extract's default (specshim.job.extract.options)
 
 
+def label(part: str, **options: Any) -> str:
+    """A run's name in the results and its logs: the part and its variants
+    (extract@32768: a step budget; extract@t4: the writer's pool at 4
+    threads; prefill@0.8: a memory setting)."""
+    return part + "".join(
+        f"@{'t' if k == 'threads' else ''}{v}" for k, v in options.items() if v
+    )
+
+
 def _engine(args: argparse.Namespace) -> dict[str, Any]:
     """vLLM's engine as the reference runs it: eager, no prefix caching (as
     speculators' generator runs it), at ``--util`` where given."""
@@ -245,9 +254,8 @@ def part_extract(args: argparse.Namespace, data: list[list[int]]) -> dict[str, A
     if args.threads:  # the writer's pool (extract's own choice: 8 on a GPU host)
         env["SPECSHIM_WRITER_THREADS"] = str(args.threads)
     done = subprocess.run(command, capture_output=True, text=True, env=env)
-    variant = f"@{args.budget}" if args.budget else ""
-    variant += f"@t{args.threads}" if args.threads else ""
-    name = f"extract{variant}-{args.model}"
+    name = label("extract", budget=args.budget, threads=args.threads)
+    name = f"{name}-{args.model}"
     (args.results / f"{name}.specshim.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise RuntimeError(f"extract exited {done.returncode}: {done.stderr[-800:]}")

@@ -308,3 +308,13 @@ def test_the_worker_profile_says_how_busy_the_device_was(bench):
         "the GPU was busy 0.480 s, of it copies: Memcpy DtoH (Device -> Pinned) "
         "0.030 s." in text
     )
+
+
+def test_bench_gpus_run_names_are_the_ones_its_summary_reads(bench):
+    """One name per run for the results and the logs: the summary splits a
+    step budget from a pool size by the ``t``."""
+    parts = bench("gpu_parts")
+    assert parts.label("prefill", util="default") == "prefill@default"
+    assert parts.label("extract", budget=32768) == "extract@32768"
+    assert parts.label("extract", budget=0, threads=4) == "extract@t4"
+    assert parts.label("extract", budget=0, threads=0) == "extract"
