@@ -12,6 +12,7 @@ write there again.
 
 from __future__ import annotations
 
+import glob
 import math
 import mmap
 import os
@@ -119,6 +120,16 @@ def forget(pids: Any) -> None:
         owner = _owner_pid(path)
         if owner in gone or not pid_alive(owner):
             del _ATTACHED[path]
+            _sweep(path)
+
+
+def _sweep(path: str) -> None:
+    """Remove the files of ``path``'s region that nobody attached: a worker
+    that was killed cannot remove the slab it made ahead for a call that
+    never came (``shared_states._Ahead``)."""
+    region = path.rsplit("-", 1)[0] + "-"
+    for leftover in glob.glob(glob.escape(region) + "*"):
+        unlink_quietly(leftover)
 
 
 when_workers_gone(forget)  # a closed generator's slabs are unmapped

@@ -34,7 +34,18 @@ Lifetime, the rule everything here relies on:
   so a stale one refuses to be read instead of returning other rows.
 * The main process unlinks a slab's file once it has mapped it (the worker
   mapped it first), so a killed run leaves nothing in ``/dev/shm``; a worker
-  unlinks whatever the main process never attached when it exits.
+  unlinks whatever the main process never attached when it exits, and the
+  main process removes what a killed worker left (``handed_states.forget``).
+
+Making a slab costs time on the call's path: reserving it in ``/dev/shm`` and
+pinning it took about 0.5 s a GB on an H200 host, and ``extract``, whose
+writer holds the states of the calls it is still writing, needs a slab for
+each of them until the first are written (kimi-width: ``generate()`` took
+8.0 s inside ``extract`` against 4.5 s alone). So where the states come from
+a GPU, a call that found no free slab of its size has the next one made
+beside the GPU's work, on a thread of its own (``_Ahead``): the next call
+takes it. At most one is made ahead at a time, and only while the caller
+holds every slab that fits; it costs the space of one slab more.
 
 Where no slab can be had (``/dev/shm`` missing or too small: a container's
 default is 64 MiB; or ``SPECSHIM_SHM_MIB``, the most the slabs may take), the
@@ -52,6 +63,7 @@ import logging
 import mmap
 import os
 import secrets
+import threading
 from typing import Any
 
 from specshim._base import SHM_LIMIT, shm_limit
@@ -192,6 +204,8 @@ class HostRegion:
         self.failure: str | None = None  # why the fallback is in use for good
         self.limit = shm_limit()  # bytes the slabs may take (None: no cap)
         self.warned: set[str] = set()  # the causes already logged
+        self.ahead: _Ahead | None = None  # the next call's slab, being made
+        self.make_ahead: bool | None = None  # None: where the states are pinned
         atexit.register(self.close)
 
     def reserve(self, nbytes: int, pin: bool) -> Slab | None:
@@ -199,6 +213,7 @@ class HostRegion:
         take the fallback (``failure`` says why, where it is for good)."""
         if self.failure is not None:
             return None
+        self._adopt_ahead()
         free = [s for s in self.slabs if s.free()]
         fitting = [s for s in free if s.capacity >= nbytes]
         if fitting:
@@ -214,7 +229,40 @@ class HostRegion:
                 return None
         if pin and not (slab.pinned or self.pin_failed):
             self.pin_failed = not slab.pin()
+        if pin if self.make_ahead is None else self.make_ahead:
+            self._start_ahead(nbytes, slab, pin)
         return slab
+
+    def _start_ahead(self, nbytes: int, taken: Slab, pin: bool) -> None:
+        """Have the next call's slab made beside the GPU's work, where the
+        caller holds every other slab that would fit (see the module
+        docstring); within ``MAX_SLABS`` and the cap, one at a time."""
+        if self.ahead is not None or len(self.slabs) >= MAX_SLABS:
+            return
+        if any(
+            s is not taken and s.capacity >= nbytes and s.free() for s in self.slabs
+        ):
+            return
+        size = slab_size(nbytes)
+        if self.limit is not None and self._taken() + size > self.limit:
+            return
+        device = None
+        if pin and not self.pin_failed:
+            import torch
+
+            device = torch.cuda.current_device()
+        self.ahead = _Ahead(self._new_path(), size, device)
+
+    def _adopt_ahead(self) -> None:
+        """The slab made ahead joins the region (waiting for it where it is
+        not made yet: no longer than making it here would take)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return
+        ahead.join()
+        if ahead.slab is not None:
+            self.slabs.append(ahead.slab)
+        self.pin_failed = self.pin_failed or ahead.pin_failed
 
     def stamp(self, slab: Slab) -> int:
         """Mark ``slab`` as holding a new fetch's rows (after the copies)."""
@@ -226,16 +274,21 @@ class HostRegion:
         retired, self.retired = tuple(self.retired), []
         return retired
 
+    def _taken(self) -> int:
+        return sum(slab.base.numel() for slab in self.slabs)
+
+    def _new_path(self) -> str:
+        return os.path.join(self.directory, f"{self.prefix}-{secrets.token_hex(4)}")
+
     def _grow(self, size: int) -> Slab | None:
-        taken = sum(slab.base.numel() for slab in self.slabs)
-        if self.limit is not None and taken + size > self.limit:
+        if self.limit is not None and self._taken() + size > self.limit:
             return self._refused(
                 "limit",
                 f"{SHM_LIMIT}={self.limit >> 20} leaves no room for a slab of "
                 f"{size / 2**20:.0f} MiB of captured states",
                 lasting=self.limit == 0,
             )
-        path = os.path.join(self.directory, f"{self.prefix}-{secrets.token_hex(4)}")
+        path = self._new_path()
         try:
             slab = Slab(path, size)
         except OSError as exc:
@@ -279,6 +332,37 @@ class HostRegion:
 
     def close(self) -> None:
         """Drop every slab (files nobody attached are removed)."""
+        self._adopt_ahead()
         for slab in self.slabs:
             slab.close()
         self.slabs = []
+
+
+class _Ahead(threading.Thread):
+    """A slab made (and pinned on ``device``) on a thread of its own while the
+    GPU computes the next call. Where that fails, ``slab`` stays None and
+    nothing is said: the call that then makes its slab itself meets the same
+    cause and says it once, as without this."""
+
+    def __init__(self, path: str, size: int, device: int | None) -> None:
+        super().__init__(name="specshim-slab-ahead", daemon=True)
+        self.path, self.size, self.device = path, size, device
+        self.slab: Slab | None = None
+        self.pin_failed = False
+        self.start()
+
+    def run(self) -> None:
+        slab = None
+        try:
+            slab = Slab(self.path, self.size)
+            if self.device is not None:
+                import torch
+
+                torch.cuda.set_device(self.device)  # a new thread starts on GPU 0
+                self.pin_failed = not slab.pin()
+        except Exception:  # noqa: BLE001 - the next call makes its own slab
+            logger.debug("specshim: making a slab ahead failed", exc_info=True)
+            if slab is not None:
+                slab.close()
+            return
+        self.slab = slab
