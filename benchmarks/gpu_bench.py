@@ -111,6 +111,9 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
                 parts[label(part, budget=budget)] = spawn(args, part, budget=budget)
         else:
             parts[part] = spawn(args, part)
+        if part in ("generate", "extract") and args.batch_sizes:
+            for size in args.batch_sizes.split(","):
+                parts[label(part, batch=size)] = spawn(args, part, batch=size)
         if part == "extract" and args.writer_threads:
             for threads in args.writer_threads.split(","):
                 parts[label(part, threads=threads)] = spawn(args, part, threads=threads)
@@ -138,6 +141,12 @@ def _parser() -> argparse.ArgumentParser:
         "(SPECSHIM_WRITER_THREADS; comma-separated)",
     )
     parser.add_argument(
+        "--batch-sizes",
+        default="",
+        help="also run generate and extract with these many sequences a "
+        "generate() call (extract's --batch-size; comma-separated)",
+    )
+    parser.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -155,6 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--util", default="default", help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
     return parser
 
 

@@ -31,10 +31,16 @@ EXTRACT_UTILIZATION = 0.8  # extract's default (specshim.job.extract.options)
 def label(part: str, **options: Any) -> str:
     """A run's name in the results and its logs: the part and its variants
     (extract@32768: a step budget; extract@t4: the writer's pool at 4
-    threads; prefill@0.8: a memory setting)."""
-    return part + "".join(
-        f"@{'t' if k == 'threads' else ''}{v}" for k, v in options.items() if v
-    )
+    threads; generate@b128: 128 sequences a call; prefill@0.8: a memory
+    setting)."""
+    marks = {"threads": "t", "batch": "b"}
+    return part + "".join(f"@{marks.get(k, '')}{v}" for k, v in options.items() if v)
+
+
+def batch_size(args: argparse.Namespace) -> int:
+    """Sequences per generate() call: ``--batch`` where given, else 32
+    (extract's default)."""
+    return int(getattr(args, "batch", 0) or BATCH)
 
 
 def _engine(args: argparse.Namespace) -> dict[str, Any]:
@@ -173,7 +179,8 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
         max_model_len=MAX_MODEL_LEN,
         gpu_memory_utilization=EXTRACT_UTILIZATION,
     )
-    batches = [data[i : i + BATCH] for i in range(0, len(data), BATCH)]
+    size = batch_size(args)
+    batches = [data[i : i + size] for i in range(0, len(data), size)]
     generator.generate(batches[0])  # warm-up
     passes = []
     for _ in range(PASSES):
@@ -184,6 +191,7 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
         passes.append(time.perf_counter() - start)
     found = _best(passes) | {"backends": generator.executor.collective_rpc(backends)[0]}
     found["max_batched_tokens"] = budget
+    found["batch_size"] = size
     if args.profile:
         found["profile"] = _profiled(generator, batches[: args.profile])
     if args.worker_profile:
@@ -246,7 +254,8 @@ def part_extract(args: argparse.Namespace, data: list[list[int]]) -> dict[str, A
         *(sys.executable, *specshim, "extract"),
         *("--model", str(args.model_dir), "--data", str(args.work / "data.jsonl")),
         *("--out", str(out), "--layers", layers),
-        *("--max-model-len", str(MAX_MODEL_LEN), "--batch-size", str(BATCH)),
+        *("--max-model-len", str(MAX_MODEL_LEN)),
+        *("--batch-size", str(batch_size(args))),
     ]
     if args.budget:
         command += ["--max-batched-tokens", str(args.budget)]
@@ -254,7 +263,7 @@ def part_extract(args: argparse.Namespace, data: list[list[int]]) -> dict[str, A
     if args.threads:  # the writer's pool (extract's own choice: 8 on a GPU host)
         env["SPECSHIM_WRITER_THREADS"] = str(args.threads)
     done = subprocess.run(command, capture_output=True, text=True, env=env)
-    name = label("extract", budget=args.budget, threads=args.threads)
+    name = label("extract", budget=args.budget, threads=args.threads, batch=args.batch)
     name = f"{name}-{args.model}"
     (args.results / f"{name}.specshim.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:

@@ -197,7 +197,8 @@ def _notes(name: str, s: dict[str, Any]) -> list[str]:
             f"threads' files, committed {timing['writer_committing']} s and "
             f"waited for batches {timing['writer_idle']} s."
         )
-    notes += _step_notes(name, s) + _thread_notes(name, s) + _profile_notes(name, s)
+    notes += _step_notes(name, s) + _thread_notes(name, s) + _batch_notes(name, s)
+    notes += _profile_notes(name, s)
     met = s.get("targets") or {}
     if met:
         notes.append(
@@ -255,6 +256,25 @@ def _budget(found: Any) -> str:
     if isinstance(found, list):
         return f"{found[0]:,} ({found[1]})"
     return f"{found:,}"
+
+
+def _batch_notes(name: str, s: dict[str, Any]) -> list[str]:
+    """generate() and extract at other call sizes (``--batch-sizes``)."""
+    rates = s["tok_per_s"]
+    lines = []
+    for part in ("generate", "extract"):
+        found = sorted(
+            (int(k.split("@b")[1]), rate)
+            for k, rate in rates.items()
+            if k.startswith(f"{part}@b") and k.split("@b")[1].isdigit()
+        )
+        if found:
+            lines.append(
+                f"- {name}: {part} at "
+                + ", ".join(f"{size}: {rate:,}" for size, rate in found)
+                + f" tok/s by sequences a call (at 32: {rates.get(part, 0):,})."
+            )
+    return lines
 
 
 def _thread_notes(name: str, s: dict[str, Any]) -> list[str]:

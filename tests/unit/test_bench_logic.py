@@ -230,6 +230,35 @@ def test_bench_gpu_says_extracts_rate_at_each_writer_pool_size(bench):
     )
 
 
+def test_bench_gpu_says_generate_and_extracts_rate_at_each_call_size(bench):
+    """--batch-sizes runs generate and extract again with more sequences a
+    call: the table keeps the runs at 32, a note lists the others, and the
+    step-budget note does not mistake a call size for a budget."""
+    import argparse
+
+    summary_module = bench("gpu_summary")
+    parts = {
+        "prefill@default": {"seconds": 4.0, "passes": [4.0, 4.1], "settings": {}},
+        "generate": {"seconds": 5.0},
+        "generate@b128": {"seconds": 4.0},
+        "extract": {"seconds": 10.0},
+        "extract@b64": {"seconds": 8.0},
+        "extract@b128": {"seconds": 5.0},
+    }
+    s = summary_module.summarise("llama-1b", parts, 1_000_000)
+    assert s["generate_vs_prefill"] == 0.8 and s["extract_vs_generate"] == 0.5
+    text = summary_module.render({"llama-1b": s})
+    assert (
+        "llama-1b: generate at 128: 250,000 tok/s by sequences a call (at 32: "
+        "200,000)." in text
+    )
+    assert "extract at 64: 125,000, 128: 200,000 tok/s" in text
+    assert "tokens a step (extract" not in text
+    size = bench("gpu_parts").batch_size
+    assert size(argparse.Namespace(batch=0)) == 32
+    assert size(argparse.Namespace(batch=128)) == 128
+
+
 def test_bench_gpus_layer_count_is_what_transformers_builds(bench):
     """kimi-width is as deep as one GPU holds: the parameter count behind
     ``fitting_layers`` is the one transformers builds, layer for layer."""
@@ -318,3 +347,5 @@ def test_bench_gpus_run_names_are_the_ones_its_summary_reads(bench):
     assert parts.label("extract", budget=32768) == "extract@32768"
     assert parts.label("extract", budget=0, threads=4) == "extract@t4"
     assert parts.label("extract", budget=0, threads=0) == "extract"
+    assert parts.label("generate", batch=128) == "generate@b128"
+    assert parts.label("extract", budget=0, threads=0, batch=0) == "extract"
