@@ -37,16 +37,37 @@ def segments(positions: Any, rows: list[int]) -> tuple[Any, Any]:
     cached prefill (rows of a request whose earlier rows are not in this
     capture) or padding, and cannot be proven. Returns (starts, ends).
     """
+    starts, ends, _ = runs(positions, rows, block=0)
+    return starts, ends
+
+
+def runs(positions: Any, rows: list[int], block: int) -> tuple[Any, Any, Any]:
+    """``segments``, and where prefix caching may have served a request's
+    first rows (``block``: the KV cache's block size; 0: it may not), runs
+    that start later: a run also starts where the positions stop counting up,
+    and its first position must be a whole number of blocks (vLLM serves
+    whole blocks from its cache). Returns (starts, ends, first positions).
+    """
     import torch
 
     total = positions.numel()
     boundary = positions == 0
     forward_starts = torch.tensor([0, *rows[:-1]], dtype=torch.long).cumsum(0)
     boundary[forward_starts[forward_starts < total]] = True
+    if block and total:
+        boundary[1:] |= positions[1:] != positions[:-1] + 1
     starts = boundary.nonzero().flatten()
     ends = torch.cat([starts[1:], torch.tensor([total])])
+    firsts = positions[starts].long() if block else torch.zeros_like(starts)
+    if block and bool((firsts % block != 0).any()):
+        at = int(starts[(firsts % block != 0).nonzero().flatten()[0]])
+        raise SpecShimError(
+            f"captured rows cannot be proven: a run of rows starts at position "
+            f"{int(positions[at])} (row {at}), which is no whole number of "
+            f"{block}-token cache blocks (padding, or a partial prefill). " + CAUSES
+        )
     run = boundary.long().cumsum(0) - 1
-    expected = torch.arange(total) - starts[run]
+    expected = firsts[run] + torch.arange(total) - starts[run]
     wrong = (positions != expected).nonzero().flatten()
     if wrong.numel():
         row = int(wrong[0])
@@ -55,7 +76,7 @@ def segments(positions: Any, rows: list[int]) -> tuple[Any, Any]:
             f"at position {int(positions[row])} where its run of rows needs position "
             f"{int(expected[row])} (a partial or cached prefill, or padding). " + CAUSES
         )
-    return starts, ends
+    return starts, ends, firsts
 
 
 def match_runs(
@@ -83,3 +104,65 @@ def match_runs(
             else:
                 strays.append((s, e))
     return found, strays
+
+
+def match_tails(
+    sequences: list[Any], token_ids: Any, positions: Any, rows: list[int], block: int
+) -> tuple[list[tuple[int, int, int] | None], list[tuple[int, int]], list[int]]:
+    """``match_runs`` where vLLM's prefix cache may have served each
+    sequence's first ``k`` rows (``k`` a whole number of ``block``-token
+    blocks, 0 where nothing was served): each sequence's run as ``(start,
+    end, k)``, None where none matched; the runs that matched none; and the
+    sequences whose run cannot be told apart from another's.
+
+    A run whose first position is ``k`` matches a sequence whose tokens from
+    ``k`` on are the run's tokens. Its rows were computed after that
+    sequence's first ``k`` tokens only if no other sequence of the call with
+    the same tail differs in those ``k`` tokens: the rows carry the tail's
+    tokens and positions, not the prefix they attended to. Where two such
+    sequences exist, every sequence with that tail is left unmatched and named
+    in the third list, for the caller to compute whole; their runs are in
+    neither of the other lists. Exact duplicates take runs in capture order,
+    as in ``match_runs``. A served run whose first position happens to follow
+    on from the run before it in the same forward reads as part of that run,
+    which then matches no sequence: a stray, refused, never misread.
+    """
+    found: list[tuple[int, int, int] | None] = [None] * len(sequences)
+    strays: list[tuple[int, int]] = []
+    untold: set[int] = set()
+    if not token_ids.numel():
+        return found, strays, []
+    starts, ends, firsts = runs(positions, rows, block)
+    owners: dict[tuple[int, bytes], deque[int]] = {}
+    for k in sorted(set(firsts.tolist())):
+        heads: dict[bytes, set[bytes]] = defaultdict(set)
+        by_tail: dict[bytes, deque[int]] = defaultdict(deque)
+        for index, ids in enumerate(sequences):
+            ids = list(ids)
+            if len(ids) > k:
+                tail = key(ids[k:])
+                by_tail[tail].append(index)
+                heads[tail].add(key(ids[:k]))
+        for tail, waiting in by_tail.items():
+            if len(heads[tail]) > 1:
+                untold.update(waiting)
+            else:
+                owners[(k, tail)] = waiting
+    for s, e, k in zip(starts.tolist(), ends.tolist(), firsts.tolist(), strict=True):
+        tail = key(token_ids[s:e])
+        waiting = owners.get((k, tail))
+        taken = [i for i in waiting if found[i] is None] if waiting else []
+        if taken:
+            found[taken[0]] = (s, e, k)
+        elif not any(i in untold for i in _claimants(sequences, k, tail)):
+            strays.append((s, e))
+    return found, strays, sorted(i for i in untold if found[i] is None)
+
+
+def _claimants(sequences: list[Any], k: int, tail: bytes) -> list[int]:
+    """The sequences whose tokens from ``k`` on are ``tail``."""
+    return [
+        i
+        for i, ids in enumerate(sequences)
+        if len(ids) > k and key(list(ids)[k:]) == tail
+    ]

@@ -1,0 +1,100 @@
+"""Runs of captured rows where vLLM's prefix cache served the first blocks
+(issue 47's proof, not yet wired to a flag): a run may start a whole number
+of blocks into its sequence, is matched by the sequence's tail, and where
+two sequences with that tail differ before it, neither is taken."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specshim import SpecShimError
+from specshim.patches._transport.rows import match_runs, match_tails
+
+BLOCK = 4
+
+
+def _capture(*pieces: tuple[list[int], int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward's token ids and positions: each piece is (tokens, first
+    position)."""
+    ids = [t for tokens, _ in pieces for t in tokens]
+    positions = [k + i for tokens, k in pieces for i in range(len(tokens))]
+    return torch.tensor(ids), torch.tensor(positions)
+
+
+P, Q = [1, 2, 3, 4], [9, 8, 7, 6]  # two different first blocks
+A, B = P + [10, 11, 12], P + [20, 21]
+
+
+def test_without_a_cache_it_matches_as_match_runs_does():
+    ids, positions = _capture((A, 0), (B, 0))
+    found, strays, untold = match_tails([A, B], ids, positions, [13], BLOCK)
+    assert found == [(0, 7, 0), (7, 13, 0)] and strays == [] and untold == []
+    assert match_runs([A, B], ids, positions, [13]) == ([(0, 7), (7, 13)], [])
+
+
+def test_a_run_served_its_first_block_is_matched_by_its_tail():
+    ids, positions = _capture((A, 0), (B[4:], 4))
+    found, strays, untold = match_tails([A, B], ids, positions, [9], BLOCK)
+    assert found == [(0, 7, 0), (7, 9, 4)] and strays == [] and untold == []
+
+
+def test_without_a_block_size_a_served_run_is_refused_as_today():
+    ids, positions = _capture((A, 0), (B[4:], 4))
+    with pytest.raises(SpecShimError, match="partial or cached prefill"):
+        match_runs([A, B], ids, positions, [9])
+
+
+def test_a_run_that_starts_inside_a_block_is_refused():
+    ids, positions = _capture((A, 0), (B[3:], 3))
+    with pytest.raises(SpecShimError, match="no whole number of 4-token"):
+        match_tails([A, B], ids, positions, [9], BLOCK)
+
+
+def test_a_gap_inside_a_run_starts_a_run_that_must_be_whole_blocks():
+    ids, positions = _capture((A[:2], 0), (A[3:], 3))
+    with pytest.raises(SpecShimError, match="position 3"):
+        match_tails([A], ids, positions, [6], BLOCK)
+
+
+def test_one_tail_after_two_different_prefixes_is_never_guessed():
+    tail = [30, 31, 32]
+    first, second = P + tail, Q + tail
+    ids, positions = _capture((tail, 4), (tail, 4))
+    found, strays, untold = match_tails([first, second], ids, positions, [6], BLOCK)
+    assert found == [None, None] and strays == [] and untold == [0, 1]
+
+
+def test_a_whole_run_is_still_proven_beside_an_untold_tail():
+    tail = [30, 31, 32]
+    first, second = P + tail, Q + tail
+    ids, positions = _capture((first, 0), (tail, 4))
+    found, strays, untold = match_tails([first, second], ids, positions, [10], BLOCK)
+    assert found == [(0, 7, 0), None] and strays == [] and untold == [1]
+
+
+def test_exact_duplicates_take_a_whole_run_and_a_served_one():
+    ids, positions = _capture((A, 0), (A[4:], 4))
+    found, strays, untold = match_tails([A, A], ids, positions, [10], BLOCK)
+    assert found == [(0, 7, 0), (7, 10, 4)] and strays == [] and untold == []
+
+
+def test_a_second_run_for_one_sequence_is_a_stray():
+    ids, positions = _capture((A, 0), (A[4:], 4))
+    found, strays, untold = match_tails([A], ids, positions, [10], BLOCK)
+    assert found == [(0, 7, 0)] and strays == [(7, 10)] and untold == []
+
+
+def test_runs_across_forwards_keep_their_first_positions():
+    first, second = _capture((A, 0)), _capture((B[4:], 4))
+    ids, positions = torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]])
+    found, _, _ = match_tails([B, A], ids, positions, [7, 2], BLOCK)
+    assert found == [(7, 9, 4), (0, 7, 0)]
+
+
+def test_a_served_run_that_continues_the_run_before_it_is_a_stray():
+    longer = P + [5, 6, 7, 8]  # 8 tokens: positions 0-7
+    after = P + [40, 41, 42, 43] + [50]  # its first 8 served: position 8 on
+    ids, positions = _capture((longer, 0), ([50], 8))
+    found, strays, _ = match_tails([longer, after], ids, positions, [9], BLOCK)
+    assert found == [None, None] and strays == [(0, 9)]
