@@ -66,10 +66,10 @@ def plain_block_hasher() -> BlockHasher:
     return hasher
 
 
-def engine_block_hasher(algorithm: str = "sha256") -> BlockHasher:
-    """vLLM's own block hashing (``hash_block_tokens`` with the hash function
-    ``prefix_caching_hash_algo`` names), or ``SpecShimError`` where this vLLM
-    has another shape."""
+def engine_hash_fn(algorithm: str = "sha256") -> Callable[[Any], bytes]:
+    """The hash function vLLM's ``prefix_caching_hash_algo`` names (its
+    ``NONE_HASH`` seeded with it where vLLM has not yet), or ``SpecShimError``
+    where this vLLM has another shape."""
     from vllm.v1.core import kv_cache_utils
 
     from specshim._base import SpecShimError
@@ -83,15 +83,32 @@ def engine_block_hasher(algorithm: str = "sha256") -> BlockHasher:
         by_name = getattr(module, "get_hash_fn_by_name", None)
         if by_name is not None:
             break
-    hash_tokens = getattr(kv_cache_utils, "hash_block_tokens", None)
-    if by_name is None or hash_tokens is None:
+    if by_name is None or not hasattr(kv_cache_utils, "init_none_hash"):
         raise SpecShimError(
-            "prefix reuse: this vLLM has no hash_block_tokens or "
-            "get_hash_fn_by_name where specshim looks; run without it"
+            "prefix reuse: this vLLM has no get_hash_fn_by_name where specshim "
+            "looks; run without it"
         )
     hash_fn = by_name(algorithm)
     if getattr(kv_cache_utils, "NONE_HASH", None) is None:
         kv_cache_utils.init_none_hash(hash_fn)
+    return hash_fn
+
+
+def engine_block_hasher(algorithm: str = "sha256") -> BlockHasher:
+    """vLLM's own block hashing (``hash_block_tokens`` with the hash function
+    ``prefix_caching_hash_algo`` names), or ``SpecShimError`` where this vLLM
+    has another shape."""
+    from vllm.v1.core import kv_cache_utils
+
+    from specshim._base import SpecShimError
+
+    hash_fn = engine_hash_fn(algorithm)
+    hash_tokens = getattr(kv_cache_utils, "hash_block_tokens", None)
+    if hash_tokens is None:
+        raise SpecShimError(
+            "prefix reuse: this vLLM has no hash_block_tokens where specshim "
+            "looks; run without it"
+        )
     return lambda parent, tokens: hash_tokens(hash_fn, parent, tokens)
 
 
