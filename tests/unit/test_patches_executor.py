@@ -22,8 +22,8 @@ class FakeExecutor:
         return None
 
     def sample_tokens(self, grammar_output, non_block=False):
-        self.calls.append(("sample_tokens", grammar_output))
-        return "sampled"
+        self.calls.append(("sample_tokens", grammar_output, non_block))
+        return "pending" if non_block else "sampled"
 
     def collective_rpc(
         self,
@@ -46,8 +46,8 @@ class FakeExecutor:
 def test_execute_model_is_followed_by_sample_tokens_for_speculators_only():
     make = _applied(execute_then_sample, FakeExecutor)
     executor = make(vllm_config=None)
-    assert executor.execute_model("so") == "sampled"
-    assert executor.calls == [("execute_model", "so"), ("sample_tokens", None)]
+    assert executor.execute_model("so") == "pending"  # not waited for
+    assert executor.calls == [("execute_model", "so"), ("sample_tokens", None, True)]
     executor.calls.clear()
     assert executor.engine_step() is None  # vLLM's own path is untouched
     assert executor.calls == [("execute_model", "internal")]
@@ -61,7 +61,18 @@ def test_unique_reply_comes_back_as_a_list():
         "tensor1",
     ]
     assert executor.collective_rpc("get_kv_cache_spec") == [["a"], ["b"]]
+    assert executor.execute_model("so") == "pending"
+
+
+def test_a_sample_tokens_without_non_block_is_waited_for():
+    class Older(FakeExecutor):
+        def sample_tokens(self, grammar_output):
+            self.calls.append(("sample_tokens", grammar_output))
+            return "sampled"
+
+    executor = _applied(execute_then_sample, Older)(vllm_config=None)
     assert executor.execute_model("so") == "sampled"
+    assert executor.calls == [("execute_model", "so"), ("sample_tokens", None)]
 
 
 def test_executor_views_compose_into_one_proxy():
@@ -78,7 +89,7 @@ def test_executor_views_compose_into_one_proxy():
     assert {"execute_model", "collective_rpc"} <= set(vars(type(executor)))
     # The first patch alone (what revert of the second restores) still works.
     alone = once(vllm_config=None)
-    assert alone.execute_model("so") == "sampled"
+    assert alone.execute_model("so") == "pending"
     assert alone.collective_rpc("x", unique_reply_rank=0) == ["tensor0", "tensor1"]
 
 
@@ -175,6 +186,6 @@ def test_warm_up_follows_initialize_from_config_in_one_view():
         ("initialize_from_config", ["kv"]),
         ("compile_or_warm_up_model", None),
     ]
-    assert executor.execute_model("so") == "sampled"
+    assert executor.execute_model("so") == "pending"
     executor.__wrapped__.initialize_from_config(["kv"])  # vLLM's own call: as is
     assert executor.calls[-1] == ("initialize_from_config", ["kv"])
