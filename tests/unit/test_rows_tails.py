@@ -98,3 +98,13 @@ def test_a_served_run_that_continues_the_run_before_it_is_a_stray():
     ids, positions = _capture((longer, 0), ([50], 8))
     found, strays, _ = match_tails([longer, after], ids, positions, [9], BLOCK)
     assert found == [None, None] and strays == [(0, 9)]
+
+
+def test_a_second_whole_run_beside_an_untold_tail_is_still_a_stray():
+    """A sequence left untold at one k does not hide an extra run of its at
+    another k: that run is a stray, refused, not dropped."""
+    tail = [30, 31, 32]
+    first, second = P + tail, Q + tail
+    ids, positions = _capture((first, 0), (first, 0), (tail, 4))
+    found, strays, untold = match_tails([first, second], ids, positions, [17], BLOCK)
+    assert found == [(0, 7, 0), None] and strays == [(7, 14)] and untold == [1]

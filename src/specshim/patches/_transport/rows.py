@@ -129,40 +129,29 @@ def match_tails(
     """
     found: list[tuple[int, int, int] | None] = [None] * len(sequences)
     strays: list[tuple[int, int]] = []
-    untold: set[int] = set()
     if not token_ids.numel():
         return found, strays, []
     starts, ends, firsts = runs(positions, rows, block)
-    owners: dict[tuple[int, bytes], deque[int]] = {}
+    owners: dict[tuple[int, bytes], list[int]] = {}
+    untold: dict[tuple[int, bytes], list[int]] = {}  # tails after other heads
     for k in sorted(set(firsts.tolist())):
         heads: dict[bytes, set[bytes]] = defaultdict(set)
-        by_tail: dict[bytes, deque[int]] = defaultdict(deque)
+        by_tail: dict[bytes, list[int]] = defaultdict(list)
         for index, ids in enumerate(sequences):
             ids = list(ids)
             if len(ids) > k:
                 tail = key(ids[k:])
                 by_tail[tail].append(index)
                 heads[tail].add(key(ids[:k]))
-        for tail, waiting in by_tail.items():
-            if len(heads[tail]) > 1:
-                untold.update(waiting)
-            else:
-                owners[(k, tail)] = waiting
+        for tail, claimants in by_tail.items():
+            kept = untold if len(heads[tail]) > 1 else owners
+            kept[(k, tail)] = claimants
     for s, e, k in zip(starts.tolist(), ends.tolist(), firsts.tolist(), strict=True):
         tail = key(token_ids[s:e])
-        waiting = owners.get((k, tail))
-        taken = [i for i in waiting if found[i] is None] if waiting else []
-        if taken:
-            found[taken[0]] = (s, e, k)
-        elif not any(i in untold for i in _claimants(sequences, k, tail)):
+        free = [i for i in owners.get((k, tail), ()) if found[i] is None]
+        if free:  # a sequence can own tails at several k: take it once
+            found[free[0]] = (s, e, k)
+        elif (k, tail) not in untold:
             strays.append((s, e))
-    return found, strays, sorted(i for i in untold if found[i] is None)
-
-
-def _claimants(sequences: list[Any], k: int, tail: bytes) -> list[int]:
-    """The sequences whose tokens from ``k`` on are ``tail``."""
-    return [
-        i
-        for i, ids in enumerate(sequences)
-        if len(ids) > k and key(list(ids)[k:]) == tail
-    ]
+    named = {i for claimants in untold.values() for i in claimants}
+    return found, strays, sorted(i for i in named if found[i] is None)
