@@ -258,16 +258,22 @@ def _budget(found: Any) -> str:
     return f"{found:,}"
 
 
+def _variants(rates: dict[str, Any], prefix: str) -> list[tuple[int, Any]]:
+    """The runs named ``prefix`` and a number (``extract@t4``: ``extract@t``
+    and 4), as (number, rate), by number."""
+    return sorted(
+        (int(k[len(prefix) :]), rate)
+        for k, rate in rates.items()
+        if k.startswith(prefix) and k[len(prefix) :].isdigit()
+    )
+
+
 def _batch_notes(name: str, s: dict[str, Any]) -> list[str]:
     """generate() and extract at other call sizes (``--batch-sizes``)."""
     rates = s["tok_per_s"]
     lines = []
     for part in ("generate", "extract"):
-        found = sorted(
-            (int(k.split("@b")[1]), rate)
-            for k, rate in rates.items()
-            if k.startswith(f"{part}@b") and k.split("@b")[1].isdigit()
-        )
+        found = _variants(rates, f"{part}@b")
         if found:
             lines.append(
                 f"- {name}: {part} at "
@@ -280,11 +286,7 @@ def _batch_notes(name: str, s: dict[str, Any]) -> list[str]:
 def _thread_notes(name: str, s: dict[str, Any]) -> list[str]:
     """extract's rate at each size of its writer's pool (``--writer-threads``)."""
     rates = s["tok_per_s"]
-    found = sorted(
-        (int(k.split("@t")[1]), rate)
-        for k, rate in rates.items()
-        if k.startswith("extract@t") and k.split("@t")[1].isdigit()
-    )
+    found = _variants(rates, "extract@t")
     if not found:
         return []
     return [
