@@ -229,7 +229,8 @@ class HostRegion:
                 return None
         if pin and not (slab.pinned or self.pin_failed):
             self.pin_failed = not slab.pin()
-        if pin if self.make_ahead is None else self.make_ahead:
+        ahead = pin if self.make_ahead is None else self.make_ahead
+        if ahead:
             self._start_ahead(nbytes, slab, pin)
         return slab
 
