@@ -83,3 +83,39 @@ def test_request_release_keeps_eos_and_gets_hasher_when_caching_is_on():
 def test_request_not_needed_on_011():
     with pytest.raises(NotNeeded):
         request_args.PATCH.probe(Request011)
+
+
+class RequestSalted:
+    """A release shape with cache_salt (vLLM 0.16 and later)."""
+
+    def __init__(
+        self,
+        request_id,
+        prompt_token_ids,
+        sampling_params,
+        pooling_params,
+        eos_token_id,
+        arrival_time=None,
+        block_hasher=None,
+        cache_salt=None,
+    ):
+        self.__dict__.update(locals())
+
+
+def test_salted_positions_get_a_salt_of_their_own_and_only_with_caching_on():
+    make = _applied(request_args, RequestSalted)
+    kwargs = dict(SPECULATORS_REQUEST_KWARGS)
+    request_args.set_salted({1})
+    try:
+        assert make(**kwargs).cache_salt is None  # caching off: no hasher, no salt
+        request_args.set_block_hasher(object())
+        salts = [
+            make(**(kwargs | {"request_id": f"req_7_{i}"})).cache_salt for i in range(3)
+        ]
+        again = make(**(kwargs | {"request_id": "req_8_1"})).cache_salt
+    finally:
+        request_args.set_block_hasher(None)
+        request_args.set_salted(None)
+    assert salts[0] is None and salts[2] is None
+    assert salts[1] and again and salts[1] != again  # unique: never shared
+    assert make(**(kwargs | {"request_id": "req_9_1"})).cache_salt is None

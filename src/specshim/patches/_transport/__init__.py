@@ -13,6 +13,9 @@ Rooms:
 * ``rows``: which captured rows are which sequence's (from the tokens and
   positions the forward recorded), used to lay them out in input order in
   the worker and to prove them in the main process.
+* ``prefix_rows``: with prefix caching on, each sequence's served rows put
+  back in front of its tail, from the same call or the store of
+  ``specshim._prefix_reuse`` (``generate-guard``).
 * ``threads``: the main process's copies on more than one core, where the
   states are copied after all.
 

@@ -24,7 +24,14 @@ Why:
       duplicated, padded or unprovable row raises ``SpecShimError`` instead of
       returning misaligned training data, and the scheduler is cleared so the
       generator stays usable. Identical duplicate prompts may swap rows: they
-      were computed from the same tokens, so their states are the same.
+      were computed from the same tokens, so their states are the same;
+    * with prefix caching on (``extract --reuse-prefixes``, or a user who
+      turned ``prefix-caching-off`` off), a run may start a whole number of
+      KV blocks into its sequence, where vLLM served the first blocks from
+      its cache: the served rows are put back from the call or the earlier
+      call that computed them (``prefix_rows``), and a sequence whose rows
+      cannot all be proven so is computed again whole, under a cache salt of
+      its own. Nothing unproven is returned.
 Upstream change:
     None by itself: it guards against the silent failure modes of every vLLM
     from 0.11 (requests over the token budget scheduled out of input order),
@@ -43,9 +50,11 @@ import re
 from typing import Any
 
 from specshim._base import SpecShimError
+from specshim._prefix_reuse import PrefixRows, default_store, digest, reuse_block
 from specshim._types import NotNeeded
 from specshim.patches._declare import declare
-from specshim.patches._transport.rows import CAUSES, match_runs
+from specshim.patches._transport.prefix_rows import stitch
+from specshim.patches._transport.rows import CAUSES, match_runs, match_tails
 from specshim.patches._transport.threads import lent_threads
 from specshim.patches.main import request_args
 
@@ -214,6 +223,124 @@ def _sequences(token_ids: Any, max_model_len: int) -> list[Any]:
     return [(r.tolist() if hasattr(r, "tolist") else list(r))[:cut] for r in rows]
 
 
+def _call(
+    self: Any,
+    original: Any,
+    token_ids: Any,
+    sequences: list[Any],
+    salted: set[int] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """speculators' ``generate()`` and the workers' provenance record of it.
+
+    ``salted``: positions whose requests get a cache salt of their own
+    (computed whole, see ``request_args.set_salted``).
+    """
+    if not hasattr(self, "_specshim_block_hasher"):
+        self._specshim_block_hasher = request_args.block_hasher_for(self.vllm_config)
+    request_args.set_block_hasher(self._specshim_block_hasher)
+    request_args.set_salted(salted)
+    if _workers_order_rows():
+        self.executor.collective_rpc("_specshim_expect_rows", args=(sequences,))
+    try:
+        with lent_threads():  # speculators' clones of every slice
+            results = original(self, token_ids)
+    except Exception:
+        _abort_leftovers(self)
+        raise
+    finally:
+        request_args.set_block_hasher(None)
+        request_args.set_salted(None)
+    stuck = _abort_leftovers(self)
+    try:
+        record = self.executor.collective_rpc(
+            "_specshim_row_provenance", unique_reply_rank=0
+        )[0]
+    except Exception as exc:
+        raise SpecShimError(
+            "could not fetch the row provenance from the workers "
+            f"({exc!r}); is the row-provenance-rpc patch disabled there?"
+        ) from exc
+    if stuck:
+        logger.error("specshim: %d request(s) were never scheduled", stuck)
+    if record is None:
+        raise SpecShimError(
+            "the workers recorded no row provenance, so no returned row can be "
+            "proven: the row-provenance patch is not applied in the workers "
+            "(check SPECSHIM_DISABLE and VLLM_PLUGINS; `specshim doctor`)"
+        )
+    if record.get("moved"):
+        logger.debug(
+            "specshim: the worker moved %d run(s) of rows into input order",
+            record["moved"],
+        )
+    return results, record
+
+
+def _whole(self: Any, original: Any, sequences: list[Any]) -> list[dict[str, Any]]:
+    """``sequences`` computed whole (each request salted), proven strictly."""
+    results, record = _call(
+        self, original, sequences, sequences, set(range(len(sequences)))
+    )
+    return reorder(results, sequences, prove_rows(sequences, record))
+
+
+def prefix_store(generator: Any) -> PrefixRows:
+    """The generator's ``PrefixRows``: ``extract`` gives it its plan's."""
+    store = getattr(generator, "_specshim_prefix_rows", None)
+    if store is None:
+        store = generator._specshim_prefix_rows = default_store()
+    return store
+
+
+def _stitched(
+    self: Any, original: Any, token_ids: Any, sequences: list[Any], block: int
+) -> list[dict[str, Any]]:
+    """``generate()`` with prefix caching on: each sequence's served rows put
+    back from where they were computed (``prefix_rows``), or the sequence
+    computed whole where they cannot be; only proven rows are returned."""
+    import torch
+
+    store = prefix_store(self)
+    salted = {i for i, ids in enumerate(sequences) if digest(ids) in store.whole}
+    results, record = _call(self, original, token_ids, sequences, salted)
+    ids, positions, rows = _checked_record(record)
+    found, _, _ = match_tails(sequences, ids, positions, rows, block)
+    # Runs no sequence owns, and sequences whose tail another head shares,
+    # are in no ``found`` entry: their rows are never used.
+    width = len(results[0]["hidden_states"])
+    stacked = [
+        torch.cat([r["hidden_states"][n] for r in results]) for n in range(width)
+    ]
+    if stacked[0].shape[0] != sum(rows):
+        raise SpecShimError(
+            f"speculators returned {stacked[0].shape[0]} rows where the workers "
+            f"recorded {sum(rows)}"
+        )
+    for result in results:
+        result["hidden_states"] = None  # the slab's rows, let go before more work
+    complete = stitch(sequences, stacked, found, block, store)
+    missing = [i for i, states in enumerate(complete) if states is None]
+    if missing:
+        again = _whole(self, original, [sequences[i] for i in missing])
+        for i, result in zip(missing, again, strict=True):
+            complete[i] = result["hidden_states"]
+        store.recomputed += len(missing)
+    self._specshim_recomputed = missing
+    for index, (result, states) in enumerate(zip(results, complete, strict=True)):
+        assert states is not None
+        if states[0].shape[0] != len(sequences[index]):
+            raise SpecShimError(
+                f"sequence {index} has {len(sequences[index])} tokens but "
+                f"{states[0].shape[0]} rows after its cached rows were put back"
+            )
+        result["hidden_states"] = states
+    for ids in sequences:
+        store.done(ids, block)
+    for ids, states in zip(sequences, complete, strict=True):
+        store.offer(ids, states, block)  # type: ignore[arg-type]
+    return results
+
+
 def _build(original: Any) -> Any:
     import functools
 
@@ -223,45 +350,11 @@ def _build(original: Any) -> Any:
         check_inputs(
             token_ids, model_config.get_vocab_size(), model_config.max_model_len
         )
-        if not hasattr(self, "_specshim_block_hasher"):
-            self._specshim_block_hasher = request_args.block_hasher_for(
-                self.vllm_config
-            )
-        request_args.set_block_hasher(self._specshim_block_hasher)
         sequences = _sequences(token_ids, model_config.max_model_len)
-        if _workers_order_rows():
-            self.executor.collective_rpc("_specshim_expect_rows", args=(sequences,))
-        try:
-            with lent_threads():  # speculators' clones of every slice
-                results = original(self, token_ids)
-        except Exception:
-            _abort_leftovers(self)
-            raise
-        finally:
-            request_args.set_block_hasher(None)
-        stuck = _abort_leftovers(self)
-        try:
-            record = self.executor.collective_rpc(
-                "_specshim_row_provenance", unique_reply_rank=0
-            )[0]
-        except Exception as exc:
-            raise SpecShimError(
-                "could not fetch the row provenance from the workers "
-                f"({exc!r}); is the row-provenance-rpc patch disabled there?"
-            ) from exc
-        if stuck:
-            logger.error("specshim: %d request(s) were never scheduled", stuck)
-        if record is None:
-            raise SpecShimError(
-                "the workers recorded no row provenance, so no returned row can be "
-                "proven: the row-provenance patch is not applied in the workers "
-                "(check SPECSHIM_DISABLE and VLLM_PLUGINS; `specshim doctor`)"
-            )
-        if record.get("moved"):
-            logger.debug(
-                "specshim: the worker moved %d run(s) of rows into input order",
-                record["moved"],
-            )
+        block = reuse_block(self.vllm_config)
+        if block:
+            return _stitched(self, original, token_ids, sequences, block)
+        results, record = _call(self, original, token_ids, sequences)
         return reorder(results, sequences, prove_rows(sequences, record))
 
     generate.__specshim__ = True  # type: ignore[attr-defined]

@@ -13,6 +13,12 @@ Upstream change:
 Upstream PR:
     vllm-project/vllm#29186 (``enable_prefix_caching`` is no longer None by
     default).
+
+    With ``SPECSHIM_REUSE_PREFIXES=1`` (``extract --reuse-prefixes`` sets it
+    while the generator starts), caching is forced on instead:
+    ``generate-guard`` then reads which rows the cache served and puts them
+    back from the rows of the tokens that computed them (``prefix_rows``), or
+    computes the sequence whole.
 Remove when:
     speculators passes ``enable_prefix_caching=False`` itself.
 """
@@ -21,9 +27,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from specshim._prefix_reuse import reusing_prefixes
 from specshim._types import NotNeeded
 from specshim.patches._declare import declare
-from specshim.patches._wrappers import force_keyword, keyword_default
+from specshim.patches._wrappers import adapt_kwargs, keyword_default
+
+
+def _forced(kwargs: dict[str, Any]) -> dict[str, Any]:
+    kwargs["enable_prefix_caching"] = reusing_prefixes()
+    return kwargs
 
 
 def _probe(original: Any) -> None:
@@ -41,6 +53,6 @@ PATCH = declare(
     attribute="CacheConfig",
     versions=">=0.12",
     probe=_probe,
-    build=force_keyword("enable_prefix_caching", False),
+    build=lambda original: adapt_kwargs(original, _forced),
     drift_rows=(3,),
 )

@@ -60,6 +60,24 @@ def set_block_hasher(hasher: Any) -> None:
     _local.hasher = hasher
 
 
+def set_salted(positions: set[int] | None) -> None:
+    """The positions in the next ``generate()`` call whose requests get a
+    cache salt of their own: nothing is served to them from the prefix cache,
+    and nothing they compute is served to another (they are computed whole)."""
+    _local.salted = positions
+
+
+def _salt(request_id: Any) -> str | None:
+    salted = getattr(_local, "salted", None)
+    if not salted:
+        return None
+    # speculators names its requests req_{call}_{position in the call}
+    _, _, position = str(request_id).rpartition("_")
+    if position.isdigit() and int(position) in salted:
+        return f"specshim-whole-{request_id}"
+    return None
+
+
 def _probe(original: Any) -> None:
     params = parameters(original)
     if "eos_token_id" in params and "block_hasher" not in params:
@@ -82,6 +100,9 @@ def _adapt(params: dict[str, Any]) -> Any:
         hasher = getattr(_local, "hasher", None)
         if hasher is not None and "block_hasher" in params:
             kwargs.setdefault("block_hasher", hasher)
+            salt = _salt(kwargs.get("request_id"))
+            if salt is not None and "cache_salt" in params:
+                kwargs["cache_salt"] = salt
         return kwargs
 
     return adapt

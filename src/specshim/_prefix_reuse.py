@@ -1,0 +1,154 @@
+"""Shared prefixes computed once: what ``extract --reuse-prefixes`` and the
+shim share (the job reaches it here, never in ``patches/``).
+
+With prefix caching on (``SPECSHIM_REUSE_PREFIXES=1``, which
+``extract --reuse-prefixes`` sets while the generator starts), a request whose
+first ``k`` tokens (whole KV blocks) are cached is computed from token ``k``
+on. ``generate-guard`` proves which tail is whose (``rows.match_tails``) and
+puts the first ``k`` rows back from where those tokens were computed
+(``patches/_transport/prefix_rows.stitch``). A hidden state at position ``p``
+depends only on tokens ``0..p``, so the rows of a block computed after exactly
+the same tokens are that block's rows for every sequence that starts with
+them; blocks are known by the chain hash of every token up to their end.
+
+``PrefixRows`` holds the rows of earlier calls under a byte cap. Given a
+plan's ``uses`` (how many samples still share each block), it keeps a block
+only while a sample still needs it and drops it after its last; without one
+(the library path), it keeps the most recent blocks that fit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+BlockHasher = Callable[[Any, Sequence[int]], Hashable]
+
+REUSE = "SPECSHIM_REUSE_PREFIXES"
+# The library path's cap where none is given: SPECSHIM_PREFIX_ROWS_MIB.
+CAP_VARIABLE = "SPECSHIM_PREFIX_ROWS_MIB"
+DEFAULT_CAP_MIB = 1024
+
+
+def reusing_prefixes() -> bool:
+    """Whether the generator about to start is to keep prefix caching on."""
+    return os.environ.get(REUSE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def reuse_block(vllm_config: Any) -> int:
+    """The KV block size where the generator's prefix cache is on, else 0."""
+    if not getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+        return 0
+    from specshim.patches.main.scheduler_block_size import scheduler_block_size
+
+    return int(scheduler_block_size(vllm_config))
+
+
+def default_store() -> PrefixRows:
+    """The library path's store: the most recent blocks under
+    ``SPECSHIM_PREFIX_ROWS_MIB`` (default ``DEFAULT_CAP_MIB``)."""
+    mib = os.environ.get(CAP_VARIABLE, "").strip()
+    return PrefixRows((int(mib) if mib.isdigit() else DEFAULT_CAP_MIB) << 20)
+
+
+def plain_block_hasher() -> BlockHasher:
+    """SHA-256 of (parent hash, block tokens as int64)."""
+
+    def hasher(parent: Any, tokens: Sequence[int]) -> bytes:
+        data = (parent or b"") + array("q", tokens).tobytes()
+        return hashlib.sha256(data).digest()
+
+    return hasher
+
+
+_HASH = plain_block_hasher()
+
+
+def chain(
+    ids: Sequence[int], block_size: int, hasher: BlockHasher = _HASH
+) -> list[Hashable]:
+    """The hashes of ``ids``'s full blocks, each covering its parent's."""
+    hashes: list[Hashable] = []
+    parent = None
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        parent = hasher(parent, ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def digest(ids: Sequence[int]) -> bytes:
+    """A sequence's identity for ``PrefixRows.whole``."""
+    return hashlib.sha256(array("q", ids).tobytes()).digest()
+
+
+class PrefixRows:
+    """Captured rows of whole blocks, by chain hash, under ``cap_bytes``.
+
+    ``uses``: block -> samples left that share it (from the plan); None keeps
+    the most recent blocks that fit. ``whole``: digests of sequences to be
+    computed whole, never served (the plan's cut). Counters say what it did.
+    """
+
+    def __init__(
+        self,
+        cap_bytes: int,
+        uses: dict[Hashable, int] | None = None,
+        whole: set[bytes] | None = None,
+    ) -> None:
+        self.cap_bytes = cap_bytes
+        self.uses = uses
+        self.whole = whole or set()
+        self.blocks: OrderedDict[Hashable, list[Any]] = OrderedDict()
+        self.held_bytes = self.peak_bytes = 0
+        self.served_tokens = 0  # rows filled from cached blocks
+        self.computed_tokens = 0  # rows the capture held
+        self.recomputed = 0  # sequences computed whole after a miss
+        self.refused_bytes = 0  # rows not kept: over the cap
+
+    def get(self, block: Hashable) -> list[Any] | None:
+        rows = self.blocks.get(block)
+        if rows is not None and self.uses is None:
+            self.blocks.move_to_end(block)
+        return rows
+
+    def done(self, ids: Sequence[int], block_size: int) -> None:
+        """A sample is complete: one use fewer of each block it shares."""
+        if self.uses is None:
+            return
+        for block in chain(ids, block_size):
+            left = self.uses.get(block)
+            if left is None:
+                break  # the shared blocks lead a chain
+            if left <= 1:
+                self.uses.pop(block)
+                self._drop(block)
+            else:
+                self.uses[block] = left - 1
+
+    def offer(self, ids: Sequence[int], layers: list[Any], block_size: int) -> None:
+        """Keep the blocks of a complete sequence that are still wanted."""
+        for j, block in enumerate(chain(ids, block_size)):
+            if self.uses is not None and block not in self.uses:
+                break
+            if block in self.blocks:
+                continue
+            rows = [h[j * block_size : (j + 1) * block_size].clone() for h in layers]
+            size = sum(r.numel() * r.element_size() for r in rows)
+            if self.uses is None:
+                while self.blocks and self.held_bytes + size > self.cap_bytes:
+                    self._drop(next(iter(self.blocks)))
+            if self.held_bytes + size > self.cap_bytes:
+                self.refused_bytes += size
+                continue
+            self.blocks[block] = rows
+            self.held_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def _drop(self, block: Hashable) -> None:
+        rows = self.blocks.pop(block, None)
+        if rows is not None:
+            self.held_bytes -= sum(r.numel() * r.element_size() for r in rows)

@@ -1,0 +1,119 @@
+"""Served rows put back (``patches/_transport/prefix_rows.stitch``) and the
+store of earlier calls' rows (``specshim._prefix_reuse.PrefixRows``): a
+sequence's first rows come only from rows computed after exactly its tokens,
+and the store keeps what the plan still needs, under its cap."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from specshim._prefix_reuse import PrefixRows, chain, digest
+from specshim.patches._transport.prefix_rows import stitch
+
+B = 4  # block size
+LAYERS = 2
+
+
+def _states(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 3, generator=g) for _ in range(LAYERS)]
+
+
+def _capture(*runs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.cat([r[n] for r in runs]) for n in range(LAYERS)]
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def test_a_served_prefix_is_put_back_from_the_sequence_that_computed_it():
+    rng = random.Random(0)
+    shared = _tokens(rng, 2 * B + 1)
+    a, b = shared + _tokens(rng, 3), shared + _tokens(rng, 5)
+    ra, rb = _states(len(a), 1), _states(len(b) - 2 * B, 2)  # b: served 2 blocks
+    found = [(0, len(a), 0), (len(a), len(a) + len(b) - 2 * B, 2 * B)]
+    store = PrefixRows(0)
+    out = stitch([b, a], _capture(ra, rb), [found[1], found[0]], B, store)
+    assert out[1] is not None and out[0] is not None
+    for n in range(LAYERS):
+        assert torch.equal(out[1][n], ra[n])
+        assert torch.equal(out[0][n], torch.cat([ra[n][: 2 * B], rb[n]]))
+    assert (store.served_tokens, store.computed_tokens) == (2 * B, len(a) + len(rb[0]))
+
+
+def test_rows_after_other_tokens_are_never_borrowed():
+    rng = random.Random(1)
+    a = _tokens(rng, 3 * B)
+    b = [a[0] + 1, *a[1:]]  # one token differs in the first block
+    found = [(0, len(a), 0), (len(a), len(a) + B, 2 * B)]
+    out = stitch(
+        [a, b], _capture(_states(len(a), 1), _states(B, 2)), found, B, PrefixRows(0)
+    )
+    assert out[0] is not None and out[1] is None  # computed whole by the caller
+
+
+def test_an_earlier_calls_rows_are_taken_from_the_store():
+    rng = random.Random(2)
+    prompt = _tokens(rng, 2 * B)
+    first = prompt + _tokens(rng, 3)
+    rows = _states(len(first), 3)
+    store = PrefixRows(1 << 20)
+    store.offer(first, rows, B)
+    second = prompt + _tokens(rng, 6)
+    tail = _states(6, 4)
+    (out,) = stitch([second], tail, [(0, 6, 2 * B)], B, store)
+    assert out is not None
+    for n in range(LAYERS):
+        assert torch.equal(out[n], torch.cat([rows[n][: 2 * B], tail[n]]))
+    (missing,) = stitch([second], tail, [(0, 6, 2 * B)], B, PrefixRows(1 << 20))
+    assert missing is None
+
+
+def test_a_sequence_of_whole_blocks_read_into_a_longer_run_is_complete():
+    rng = random.Random(3)
+    short = _tokens(rng, 2 * B)
+    long = short + _tokens(rng, 5)
+    rows = _states(len(long), 5)  # one run: short's rows then long's tail
+    out = stitch([short, long], rows, [None, (0, len(long), 0)], B, PrefixRows(0))
+    assert out[0] is not None
+    assert all(torch.equal(out[0][n], rows[n][: 2 * B]) for n in range(LAYERS))
+    odd = short + [1]  # not whole blocks: its last row is nobody's
+    out = stitch([odd, long], rows, [None, (0, len(long), 0)], B, PrefixRows(0))
+    assert out[0] is None
+
+
+def test_the_store_keeps_what_the_plan_still_needs_and_no_more():
+    rng = random.Random(4)
+    prompt = _tokens(rng, 2 * B)
+    a, b, c = (prompt + _tokens(rng, 2) for _ in range(3))
+    uses = {block: 3 for block in chain(prompt, B)}
+    store = PrefixRows(1 << 20, uses=uses)
+    store.done(a, B)
+    store.offer(a, _states(len(a), 6), B)
+    assert len(store.blocks) == 2 and store.held_bytes == 2 * B * 3 * 4 * LAYERS
+    store.done(b, B)
+    assert len(store.blocks) == 2
+    store.done(c, B)  # the last sample sharing them
+    assert not store.blocks and store.held_bytes == 0 and not store.uses
+    assert store.peak_bytes == 2 * B * 3 * 4 * LAYERS
+
+
+def test_the_cap_is_enforced():
+    rng = random.Random(5)
+    ids = _tokens(rng, 3 * B)
+    block_bytes = B * 3 * 4 * LAYERS
+    store = PrefixRows(block_bytes, uses={h: 2 for h in chain(ids, B)})
+    store.offer(ids, _states(len(ids), 7), B)
+    assert len(store.blocks) == 1 and store.refused_bytes == 2 * block_bytes
+    lru = PrefixRows(2 * block_bytes)  # the library path: the most recent fit
+    other = _tokens(rng, 2 * B)
+    lru.offer(ids, _states(len(ids), 8), B)
+    lru.offer(other, _states(len(other), 9), B)
+    assert list(lru.blocks) == chain(other, B) and lru.held_bytes <= 2 * block_bytes
+
+
+def test_digest_tells_sequences_apart():
+    assert digest([1, 2, 3]) == digest([1, 2, 3]) != digest([1, 2, 4])
