@@ -172,7 +172,8 @@ def _extract_engine_flags(
 
 
 def _extract_run_flags(extract: argparse.ArgumentParser) -> None:
-    """--move-orphans, --cpu-kv-space-gib, --shard and --data-parallel."""
+    """--move-orphans, --cpu-kv-space-gib, --reuse-prefixes, --reuse-cap-mib,
+    --shard and --data-parallel."""
     extract.add_argument(
         "--move-orphans",
         action="store_true",
@@ -187,6 +188,10 @@ def _extract_run_flags(extract: argparse.ArgumentParser) -> None:
         "(default: VLLM_CPU_KVCACHE_SPACE if set, else what the job needs, at "
         "most half the available memory)",
     )
+    reuse = "compute prefixes samples share once, cached rows put back (docs/usage.md)"
+    extract.add_argument("--reuse-prefixes", action="store_true", help=reuse)
+    cap = "with --reuse-prefixes: MiB of prefix rows held (default: the plan's)"
+    extract.add_argument("--reuse-cap-mib", type=int, help=cap)
     extract.add_argument(
         "--shard",
         help="I/N: take samples i with i %% N == I; auto: the index and count of "

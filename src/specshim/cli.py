@@ -143,6 +143,8 @@ def _extract(args: argparse.Namespace) -> int:
         **{knob.name: getattr(args, knob.name) for knob in KNOBS},
         cpu_kv_space_gib=args.cpu_kv_space_gib,
         move_orphans=args.move_orphans,
+        reuse_prefixes=args.reuse_prefixes,
+        reuse_cap_mib=args.reuse_cap_mib,
     )
     with _stdout_to_stderr():
         counts = extract(options)

@@ -13,7 +13,9 @@ Rooms:
   manifest in order.
 * ``startup``: progress lines while vLLM starts.
 * ``prefixes``: which samples share full KV blocks, the order that runs them
-  together and the rows their reuse holds (planned, not yet run: issue 47).
+  together and the rows their reuse holds.
+* ``reuse``: ``--reuse-prefixes``: the feed in the plan's order, the
+  generator's store of prefix rows, what the cache served.
 * ``parallel`` and ``shard_host``: ``--data-parallel N``, one shard per GPU
   slot on one host, their lives tied to the command's.
 """

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from specshim import _settings
 from specshim._base import SpecShimError, UsageError
-from specshim.job.extract import startup
+from specshim._environ import scoped_environ
+from specshim._prefix_reuse import REUSE
+from specshim.job.extract import reuse, startup
 from specshim.job.extract.feed import Feed, Todo
 from specshim.job.extract.options import ExtractOptions
 from specshim.job.extract.plan import RunPlan, plan_run
@@ -153,11 +156,27 @@ class _Pipeline:
         self.first_generate: float | None = None  # seconds from the start
         self.generating = self.handing = 0.0  # in generate(), in writer.put
         self.ended = 0.0  # when the last file was committed
+        self.reuse: reuse.Reuse | None = None  # --reuse-prefixes
+
+    def _samples(self, feed: Feed) -> Iterable[Todo]:
+        """The feed; with --reuse-prefixes, all of it, in the plan's order."""
+        if not self.plan.reuse_prefixes:
+            return feed
+        todos = list(feed)
+        if not todos:
+            return todos
+        self._start()
+        # The rate's clock starts here: the plan is part of the run's cost.
+        self.first_generate = time.monotonic() - self.began
+        ordered, self.reuse = reuse.planned(
+            todos, self.generator, len(self.plan.layers), self.plan.reuse_cap_mib
+        )
+        return ordered
 
     def run(self, feed: Feed) -> dict[str, Any]:
         batch: list[Todo] = []
         try:
-            for todo in feed:
+            for todo in self._samples(feed):
                 batch.append(todo)
                 if len(batch) == self.plan.batch_size:
                     self._step(batch)
@@ -178,7 +197,8 @@ class _Pipeline:
                 _shutdown(self.generator)
         if self.writer is None:
             return {"written": 0, "tokens": 0, "seconds": 0.0}
-        return self._counts(self.writer)
+        reused = self.reuse.report() if self.reuse is not None else {}
+        return self._counts(self.writer) | reused
 
     def _counts(self, writer: Writer) -> dict[str, Any]:
         """What the run wrote, at what rate, and where its time went (logged:
@@ -219,7 +239,8 @@ class _Pipeline:
         if on_cpu():
             space, source = cpu_kv_space(plan.cpu_kv_space_gib, plan.kv_need_bytes)
             logger.info("extract: vLLM CPU KV-cache space %d GiB (%s)", space, source)
-        with cpu_kv_cache_space(space), startup.announced():
+        reusing = {REUSE: "1"} if plan.reuse_prefixes else {}
+        with cpu_kv_cache_space(space), scoped_environ(reusing), startup.announced():
             self.generator = _make_generator(plan)
         self.progress = Progress(plan.progress)
         self.writer = Writer(self.run_, self.progress)
@@ -234,6 +255,8 @@ class _Pipeline:
         started = time.monotonic()
         results = _generate(self.generator, batch, self.writer)
         self.generating += time.monotonic() - started
+        if self.reuse is not None:
+            self.reuse.after(self.generator, batch)
         if len(results) != len(batch):
             raise SpecShimError(
                 f"the generator returned {len(results)} results for {len(batch)} "

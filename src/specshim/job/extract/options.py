@@ -36,6 +36,12 @@ class ExtractOptions:
     # vLLM's CPU KV-cache space in GiB, on a host without an accelerator;
     # None: VLLM_CPU_KVCACHE_SPACE if set, else what the job needs (cpu_kv_space).
     cpu_kv_space_gib: int | None = None
+    # Shared prefixes computed once (issue 47): prefix caching on, the feed
+    # in the plan's order, served rows put back from the rows of the sample
+    # that computed them. The rows waiting for their next sample are held in
+    # host memory: at most reuse_cap_mib MiB (None: what the plan needs).
+    reuse_prefixes: bool = False
+    reuse_cap_mib: int | None = None
 
 
 def parse_layers(text: str | None) -> list[int] | None:

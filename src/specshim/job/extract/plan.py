@@ -58,6 +58,8 @@ class RunPlan:
     # the checkpoint's config does not say enough to estimate it).
     cpu_kv_space_gib: int | None
     kv_need_bytes: float | None
+    reuse_prefixes: bool = False
+    reuse_cap_mib: int | None = None  # None: what the plan needs
 
     @property
     def data(self) -> Path:
@@ -113,6 +115,8 @@ def plan_run(options: ExtractOptions) -> RunPlan:
         move_orphans=options.move_orphans,
         cpu_kv_space_gib=options.cpu_kv_space_gib,
         kv_need_bytes=_kv_need(options, model, settings),
+        reuse_prefixes=options.reuse_prefixes,
+        reuse_cap_mib=options.reuse_cap_mib,
     )
 
 
@@ -127,6 +131,11 @@ def check_options(options: ExtractOptions) -> None:
         raise UsageError("--gpu-memory-utilization must be in (0, 1]")
     if options.cpu_kv_space_gib is not None and options.cpu_kv_space_gib < 1:
         raise UsageError("--cpu-kv-space-gib must be at least 1")
+    if options.reuse_cap_mib is not None:
+        if not options.reuse_prefixes:
+            raise UsageError("--reuse-cap-mib needs --reuse-prefixes")
+        if options.reuse_cap_mib < 0:
+            raise UsageError("--reuse-cap-mib must be at least 0")
     writer_threads()  # read by the writer; refused here, before anything starts
     kv_env = os.environ.get(KV_VARIABLE, "").strip()
     if kv_env and not kv_env.isdigit():

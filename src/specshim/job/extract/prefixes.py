@@ -36,7 +36,16 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-BlockHasher = Callable[[Any, Sequence[int]], Hashable]
+from specshim._prefix_reuse import BlockHasher, chain, plain_block_hasher
+
+__all__ = [
+    "PrefixPlan",
+    "chain",
+    "engine_block_hasher",
+    "engine_hash_fn",
+    "plain_block_hasher",
+    "plan_prefixes",
+]
 
 
 @dataclass(frozen=True)
@@ -48,22 +57,11 @@ class PrefixPlan:
     keep_until: dict[Hashable, int] = field(repr=False)  # block -> last index
     peak_bytes: int  # the most bytes of prefix rows held at once
     cut: tuple[int, ...]  # samples computed whole: their group's rows over the cap
+    uses: dict[Hashable, int] = field(repr=False)  # block -> samples sharing it
 
     @property
     def reused_tokens(self) -> int:
         return sum(self.reuse.values())
-
-
-def plain_block_hasher() -> BlockHasher:
-    """SHA-256 of (parent, block tokens): a plan made without vLLM."""
-    import hashlib
-    from array import array
-
-    def hasher(parent: Any, tokens: Sequence[int]) -> bytes:
-        data = (parent or b"") + array("q", tokens).tobytes()
-        return hashlib.sha256(data).digest()
-
-    return hasher
 
 
 def engine_hash_fn(algorithm: str = "sha256") -> Callable[[Any], bytes]:
@@ -112,16 +110,6 @@ def engine_block_hasher(algorithm: str = "sha256") -> BlockHasher:
     return lambda parent, tokens: hash_tokens(hash_fn, parent, tokens)
 
 
-def chain(ids: Sequence[int], block_size: int, hasher: BlockHasher) -> list[Hashable]:
-    """The hashes of ``ids``'s full blocks, each covering its parent's."""
-    hashes: list[Hashable] = []
-    parent = None
-    for start in range(0, len(ids) - block_size + 1, block_size):
-        parent = hasher(parent, ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
-
-
 def plan_prefixes(
     samples: Iterable[tuple[int, Sequence[int]]],
     block_size: int,
@@ -132,16 +120,26 @@ def plan_prefixes(
     """Plan the reuse of shared prefixes for ``samples`` (index, token ids)."""
     hasher = hasher or plain_block_hasher()
     chains: dict[int, list[Hashable]] = {}
+    usable: dict[int, int] = {}  # blocks the cache may serve: not the last token's
+    lengths: dict[int, int] = {}
     counts: dict[Hashable, int] = {}
     for index, ids in samples:
-        # the last token is always computed: a hit stops before its block
-        usable = (len(ids) - 1) // block_size * block_size if ids else 0
-        hashes = chain(ids[:usable], block_size, hasher)
+        hashes = chain(ids, block_size, hasher)  # a whole last block serves others
         chains[index] = hashes
+        usable[index] = (len(ids) - 1) // block_size if ids else 0
+        lengths[index] = len(ids)
         for block in hashes:
             counts[block] = counts.get(block, 0) + 1
     shared = {index: _leading(hashes, counts) for index, hashes in chains.items()}
-    order = tuple(sorted(chains, key=lambda i: (_sort_key(shared[i]), i)))
+    # Within a chain, shorter first: a sample that is another's prefix then
+    # computes its last block for the longer one, instead of the reverse.
+    # Samples that share nothing keep the dataset's order.
+    order = tuple(
+        sorted(
+            chains,
+            key=lambda i: (_sort_key(shared[i]), lengths[i] if shared[i] else 0, i),
+        )
+    )
     groups: dict[Hashable, list[int]] = {}  # first shared block -> its samples
     for index in order:
         if shared[index]:
@@ -157,15 +155,20 @@ def plan_prefixes(
         for index in members
     )
     kept = set(order) - set(cut)
-    reuse, keep_until, seen = {}, {}, set()
+    reuse, keep_until, uses, seen = {}, {}, {}, set()
     for index in order:  # the blocks an earlier sample computed are served
         blocks = shared[index] if index in kept else []
-        served = next((n for n, b in enumerate(blocks) if b not in seen), len(blocks))
+        for block in blocks:
+            uses[block] = uses.get(block, 0) + 1
+        servable = blocks[: usable[index]]
+        served = next(
+            (n for n, b in enumerate(servable) if b not in seen), len(servable)
+        )
         reuse[index] = served * block_size
-        keep_until.update((block, index) for block in blocks[:served])
+        keep_until.update((block, index) for block in blocks)
         seen.update(blocks)
     peak = max((p for f, p in peaks.items() if groups[f][0] in kept), default=0)
-    return PrefixPlan(order, reuse, keep_until, peak, tuple(cut))
+    return PrefixPlan(order, reuse, keep_until, peak, tuple(cut), uses)
 
 
 def _leading(hashes: list[Hashable], counts: dict[Hashable, int]) -> list[Hashable]:
