@@ -206,6 +206,17 @@ def _workers_order_rows() -> bool:
     return not {"all", "state-transport", "state-order-rpc"} & disabled_ids()
 
 
+def _never_scheduled(generator: Any) -> int:
+    """speculators' requests still waiting with nothing computed."""
+    requests = generator.scheduler.requests
+    return sum(
+        1
+        for rid, request in list(requests.items())
+        if _REQUEST_ID.match(str(rid))
+        and getattr(request, "num_computed_tokens", None) == 0
+    )
+
+
 def _abort_leftovers(generator: Any) -> int:
     from vllm.v1.request import RequestStatus
 
@@ -232,8 +243,11 @@ def _call(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """speculators' ``generate()`` and the workers' provenance record of it.
 
-    ``salted``: positions whose requests get a cache salt of their own
-    (computed whole, see ``request_args.set_salted``).
+    ``salted``: with the prefix cache on, the positions whose requests get a
+    cache salt of their own (computed whole, see ``request_args.set_salted``);
+    a request never scheduled is then an error here, as computing it again
+    would not schedule it either. ``None`` where the cache is off:
+    ``prove_rows`` names the sequences never scheduled.
     """
     if not hasattr(self, "_specshim_block_hasher"):
         self._specshim_block_hasher = request_args.block_hasher_for(self.vllm_config)
@@ -244,8 +258,15 @@ def _call(
     try:
         with lent_threads():  # speculators' clones of every slice
             results = original(self, token_ids)
-    except Exception:
+    except Exception as exc:
+        idle = _never_scheduled(self)
         _abort_leftovers(self)
+        if isinstance(exc, RuntimeError) and idle == len(sequences):
+            # speculators found nothing captured: no request ever ran.
+            raise SpecShimError(
+                f"none of the {idle} sequences could be scheduled, so no rows were "
+                "computed. " + CAUSES
+            ) from exc
         raise
     finally:
         request_args.set_block_hasher(None)
@@ -262,6 +283,11 @@ def _call(
         ) from exc
     if stuck:
         logger.error("specshim: %d request(s) were never scheduled", stuck)
+        if salted is not None:
+            raise SpecShimError(
+                f"{stuck} of {len(sequences)} sequences were never scheduled, so "
+                "their rows cannot be computed. " + CAUSES
+            )
     if record is None:
         raise SpecShimError(
             "the workers recorded no row provenance, so no returned row can be "
