@@ -21,6 +21,7 @@ from specshim.job.inputs.tiny_checkpoints import (
     build_tokenizer,
     deepseek_v3_config,
     init_model,
+    save_model,
 )
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "build_llama",
     "build_llama_wide",
     "build_qwen2",
+    "build_qwen3_moe",
     "build_tokenizer",
     "deepseek_v3_config",
 ]
@@ -266,10 +268,28 @@ def build_llama_wide(path: Path, seed: int = 0) -> Path:
     )
 
 
+def build_qwen3_moe(path: Path, seed: int = 0) -> Path:
+    """A tiny Qwen3-MoE: 8 experts, top 2, every layer sparse, q/k norms."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **{**COMMON, "num_hidden_layers": 6},
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+    return save_model(Path(path), config, Qwen3MoeForCausalLM, seed)
+
+
 BUILDERS: dict[str, Callable[..., Path]] = {
     "llama": build_llama,
     "llama_wide": build_llama_wide,
     "qwen2": build_qwen2,
+    "qwen3_moe": build_qwen3_moe,
     "deepseek_v3": build_deepseek_v3,
     "kimi_k25": build_kimi_k25,
     "deepseek_v3_mla": build_deepseek_v3_mla,
