@@ -209,13 +209,26 @@ def _worker_profiled(generator: Any, batches: list[Any]) -> dict[str, Any]:
     from specshim.testing.worker_probes import profile_start, profile_stop
 
     rpc = generator.executor.collective_rpc
+    executor = generator.executor
+    steps, tokens = [], []
+    execute = executor.execute_model
+
+    def counted(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        steps.append(time.perf_counter())
+        tokens.append(scheduler_output.total_num_scheduled_tokens)
+        return execute(scheduler_output, *args, **kwargs)
+
+    executor.execute_model = counted  # the forward steps the calls took
     rpc(profile_start)
     start = time.perf_counter()
     for batch in batches:
         generator.generate(batch)
     wall = time.perf_counter() - start
     found = rpc(profile_stop)[0]
+    del executor.execute_model
     print(found.pop("table"), flush=True)
+    found["steps"] = len(steps)
+    found["tokens_per_step"] = tokens
     return {"calls": len(batches), "wall_s": round(wall, 3)} | found
 
 

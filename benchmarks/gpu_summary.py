@@ -309,5 +309,11 @@ def _profile_notes(name: str, s: dict[str, Any]) -> list[str]:
         f"profiler took {found['wall_s']} s; the GPU was busy "
         f"{found['device_us'] / 1e6:.3f} s"
         + (f", of it copies: {spelled}" if spelled else "")
+        + (
+            f"; {found['steps']} forward steps, "
+            f"{max(found['tokens_per_step']):,} tokens in the largest"
+            if found.get("tokens_per_step")
+            else ""
+        )
         + "."
     ]
