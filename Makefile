@@ -8,7 +8,7 @@ UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.specshim-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-extended test-unit test-e2e test-gpu test-export test-matrix bench bench-extract bench-gpu bench-transport bench-writer demo doctor lint clean
+.PHONY: setup test test-extended test-unit test-e2e test-gpu test-export test-matrix bench bench-extract bench-gpu bench-reuse bench-transport bench-writer demo doctor lint clean
 
 setup: $(STAMP)
 
@@ -72,11 +72,20 @@ test-matrix: setup
 
 # Side-by-side benchmark (specshim vs speculators 0.4.0.1 vs HF), the step-budget
 # sweep and the goals; writes benchmarks/results/ and the results table of
-# docs/performance.md. ~53 min.
+# docs/performance.md, then make bench-reuse's three data sets. ~70 min.
 BENCH_ARGS ?= --write-table docs/performance.md
 bench: setup
 	$(UV) pip install -q --python $(PY) -r requirements/bench.txt
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
+	$(PY) benchmarks/reuse_bench.py $(BENCH_REUSE_ARGS)
+
+# extract --reuse-prefixes against extract without it, on three data sets (a
+# shared 1,024-token system prompt, 4 responses per prompt, nothing shared):
+# samples/s both ways and the files compared; part of make bench; writes
+# benchmarks/results/reuse.{json,md}. ~15 min on 2 cores.
+BENCH_REUSE_ARGS ?=
+bench-reuse: setup
+	$(PY) benchmarks/reuse_bench.py $(BENCH_REUSE_ARGS)
 
 # extract end to end vs bare generate() (2,000 samples, tiny DeepSeek-V3), and
 # time to first generate() and peak RSS on 10k- and 200k-line datasets; writes
