@@ -25,6 +25,15 @@ def _capture(*runs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.cat([r[n] for r in runs]) for n in range(LAYERS)]
 
 
+def _assert_own_storage(out: list[list[torch.Tensor] | None]) -> None:
+    """Each sequence's rows hold their own storage, no more: a view into
+    the call's capture would be saved whole by torch.save (every file the
+    size of the call's states)."""
+    for states in out:
+        for t in states or []:
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000) for _ in range(n)]
 
@@ -41,6 +50,7 @@ def test_a_served_prefix_is_put_back_from_the_sequence_that_computed_it():
     for n in range(LAYERS):
         assert torch.equal(out[1][n], ra[n])
         assert torch.equal(out[0][n], torch.cat([ra[n][: 2 * B], rb[n]]))
+    _assert_own_storage(out)
     assert (store.served_tokens, store.computed_tokens) == (2 * B, len(a) + len(rb[0]))
 
 

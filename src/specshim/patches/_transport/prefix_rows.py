@@ -90,6 +90,8 @@ class _Call:
                 torch.cat([*(head[n] for head in heads), *tail[n : n + 1]])
                 for n in range(width)
             ]
+        else:  # its own storage: a view would carry the whole call's rows along
+            tail = [t.clone() for t in tail]
         self.out[i] = tail
         self.store.served_tokens += served
         self.store.computed_tokens += ran
