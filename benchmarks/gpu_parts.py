@@ -192,6 +192,8 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
     found = _best(passes) | {"backends": generator.executor.collective_rpc(backends)[0]}
     found["max_batched_tokens"] = budget
     found["batch_size"] = size
+    cache = generator.vllm_config.cache_config  # what speculators sized it to
+    found["kv_cache_tokens"] = int(cache.num_gpu_blocks or 0) * cache.block_size
     if args.profile:
         found["profile"] = _profiled(generator, batches[: args.profile])
     if args.worker_profile:

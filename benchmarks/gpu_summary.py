@@ -103,6 +103,7 @@ def summarise(model: str, parts: dict[str, Any], tokens: int) -> dict[str, Any]:
         "errors": {k: v["error"] for k, v in parts.items() if "error" in v},
         "backends": parts.get("generate", {}).get("backends"),
         "worker_profile": parts.get("generate", {}).get("worker_profile"),
+        "kv_cache_tokens": parts.get("generate", {}).get("kv_cache_tokens"),
         "stack": _stack(),
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -313,6 +314,11 @@ def _profile_notes(name: str, s: dict[str, Any]) -> list[str]:
             f"; {found['steps']} forward steps, "
             f"{max(found['tokens_per_step']):,} tokens in the largest"
             if found.get("tokens_per_step")
+            else ""
+        )
+        + (
+            f"; speculators' KV cache holds {s['kv_cache_tokens']:,} tokens"
+            if s.get("kv_cache_tokens")
             else ""
         )
         + "."
