@@ -55,6 +55,24 @@ def default_store() -> PrefixRows:
     return PrefixRows((int(mib) if mib.isdigit() else DEFAULT_CAP_MIB) << 20)
 
 
+def prefix_store(generator: Any) -> PrefixRows:
+    """The generator's ``PrefixRows`` (``extract`` gives it its plan's with
+    ``give_store``; else ``default_store()``, made on first use)."""
+    store = getattr(generator, _STORE, None)
+    if store is None:
+        store = default_store()
+        setattr(generator, _STORE, store)
+    return store
+
+
+def give_store(generator: Any, store: PrefixRows) -> None:
+    """Make ``store`` the generator's ``PrefixRows``."""
+    setattr(generator, _STORE, store)
+
+
+_STORE = "_specshim_prefix_rows"
+
+
 def plain_block_hasher() -> BlockHasher:
     """SHA-256 of (parent hash, block tokens as int64)."""
 

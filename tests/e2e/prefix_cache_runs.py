@@ -2,9 +2,10 @@
 of its own (``python -m tests.e2e.prefix_cache_runs MODEL_DIR``): the
 generator with prefix caching on (``prefix-caching-off`` and the guard
 turned off, a block hasher given to speculators' requests by hand: vLLM's
-own behaviour, before the guard's reading of it), three calls whose sequences share whole blocks, and
-per call the rows speculators returned, the workers' provenance record and
-``match_tails``' reading of it, as one JSON line. Issue 47's proof rests on
+own behaviour, before the guard's reading of it), three calls whose
+sequences share whole blocks, and per call the rows speculators returned,
+the workers' provenance record and ``match_tails``' reading of it, as one
+JSON line. Issue 47's proof rests on
 what this shows; tests/e2e/test_prefix_cache_runs.py reads it."""
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def main(model: str, out: str) -> None:
     import torch
     from speculators.data_generation import VllmHiddenStatesGenerator
 
-    from specshim.patches.main.generate_guard import prefix_store
+    from specshim._prefix_reuse import prefix_store
 
     generator = VllmHiddenStatesGenerator(
         model, layer_ids=LAYERS, max_model_len=MAX_MODEL_LEN

@@ -86,7 +86,7 @@ def planned(
 ) -> tuple[list[Todo], Reuse]:
     """``todos`` in the plan's order, and the run's ``Reuse`` (the generator
     given its store); unchanged where this vLLM kept the cache off."""
-    from specshim._prefix_reuse import PrefixRows, digest, reuse_block
+    from specshim._prefix_reuse import PrefixRows, digest, give_store, reuse_block
 
     block = reuse_block(generator.vllm_config)
     if not block:
@@ -108,7 +108,7 @@ def planned(
         uses=dict(plan.uses),
         whole={digest(todos[i].input_ids) for i in plan.cut},
     )
-    generator._specshim_prefix_rows = store
+    give_store(generator, store)
     tokens = sum(len(todo) for todo in todos)
     logger.info(
         "extract: prefix reuse planned %d of %d tokens (%.0f%%) from the cache, "

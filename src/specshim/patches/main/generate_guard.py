@@ -25,11 +25,10 @@ Why:
       returning misaligned training data, and the scheduler is cleared so the
       generator stays usable. Identical duplicate prompts may swap rows: they
       were computed from the same tokens, so their states are the same;
-    * with prefix caching on (``extract --reuse-prefixes``, or a user who
-      turned ``prefix-caching-off`` off), a run may start a whole number of
-      KV blocks into its sequence, where vLLM served the first blocks from
-      its cache: the served rows are put back from the call or the earlier
-      call that computed them (``prefix_rows``), and a sequence whose rows
+    * with prefix caching on (``extract --reuse-prefixes``), a run may start
+      whole KV blocks into its sequence, where vLLM served the first blocks
+      from its cache: the served rows are put back from the call or the
+      earlier call that computed them (``prefix_rows``); a sequence whose rows
       cannot all be proven so is computed again whole, under a cache salt of
       its own. Nothing unproven is returned.
 Upstream change:
@@ -50,7 +49,7 @@ import re
 from typing import Any
 
 from specshim._base import SpecShimError
-from specshim._prefix_reuse import PrefixRows, default_store, digest, reuse_block
+from specshim._prefix_reuse import digest, prefix_store, reuse_block
 from specshim._types import NotNeeded
 from specshim.patches._declare import declare
 from specshim.patches._transport.prefix_rows import stitch
@@ -272,6 +271,19 @@ def _call(
         request_args.set_block_hasher(None)
         request_args.set_salted(None)
     stuck = _abort_leftovers(self)
+    record = _provenance(self)
+    if stuck:
+        logger.error("specshim: %d request(s) were never scheduled", stuck)
+        if salted is not None:
+            raise SpecShimError(
+                f"{stuck} of {len(sequences)} sequences were never scheduled, so "
+                "their rows cannot be computed. " + CAUSES
+            )
+    return results, record
+
+
+def _provenance(self: Any) -> dict[str, Any]:
+    """The workers' record of the call's rows (``row-provenance``)."""
     try:
         record = self.executor.collective_rpc(
             "_specshim_row_provenance", unique_reply_rank=0
@@ -281,13 +293,6 @@ def _call(
             "could not fetch the row provenance from the workers "
             f"({exc!r}); is the row-provenance-rpc patch disabled there?"
         ) from exc
-    if stuck:
-        logger.error("specshim: %d request(s) were never scheduled", stuck)
-        if salted is not None:
-            raise SpecShimError(
-                f"{stuck} of {len(sequences)} sequences were never scheduled, so "
-                "their rows cannot be computed. " + CAUSES
-            )
     if record is None:
         raise SpecShimError(
             "the workers recorded no row provenance, so no returned row can be "
@@ -299,7 +304,7 @@ def _call(
             "specshim: the worker moved %d run(s) of rows into input order",
             record["moved"],
         )
-    return results, record
+    return record
 
 
 def _whole(self: Any, original: Any, sequences: list[Any]) -> list[dict[str, Any]]:
@@ -308,14 +313,6 @@ def _whole(self: Any, original: Any, sequences: list[Any]) -> list[dict[str, Any
         self, original, sequences, sequences, set(range(len(sequences)))
     )
     return reorder(results, sequences, prove_rows(sequences, record))
-
-
-def prefix_store(generator: Any) -> PrefixRows:
-    """The generator's ``PrefixRows``: ``extract`` gives it its plan's."""
-    store = getattr(generator, "_specshim_prefix_rows", None)
-    if store is None:
-        store = generator._specshim_prefix_rows = default_store()
-    return store
 
 
 def _stitched(
