@@ -39,13 +39,22 @@ def reusing_prefixes() -> bool:
     return os.environ.get(REUSE, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def scheduler_block_size(vllm_config: Any) -> int:
+    """The block size vLLM's scheduler counts in: the cache's, times the
+    context-parallel sizes where this vLLM has them."""
+    parallel = vllm_config.parallel_config
+    return int(
+        vllm_config.cache_config.block_size
+        * getattr(parallel, "decode_context_parallel_size", 1)
+        * getattr(parallel, "prefill_context_parallel_size", 1)
+    )
+
+
 def reuse_block(vllm_config: Any) -> int:
     """The KV block size where the generator's prefix cache is on, else 0."""
     if not getattr(vllm_config.cache_config, "enable_prefix_caching", False):
         return 0
-    from specshim.patches.main.scheduler_block_size import scheduler_block_size
-
-    return int(scheduler_block_size(vllm_config))
+    return scheduler_block_size(vllm_config)
 
 
 def default_store() -> PrefixRows:

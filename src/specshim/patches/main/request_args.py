@@ -49,7 +49,7 @@ def block_hasher_for(vllm_config: Any) -> Any:
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
-    from specshim.patches.main.scheduler_block_size import scheduler_block_size
+    from specshim._prefix_reuse import scheduler_block_size
 
     hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
     init_none_hash(hash_fn)

@@ -28,18 +28,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from specshim._prefix_reuse import scheduler_block_size
 from specshim._types import NotNeeded
 from specshim.patches._declare import declare
 from specshim.patches._wrappers import adapt_kwargs, parameters
-
-
-def scheduler_block_size(vllm_config: Any) -> int:
-    parallel = vllm_config.parallel_config
-    return int(
-        vllm_config.cache_config.block_size
-        * getattr(parallel, "decode_context_parallel_size", 1)
-        * getattr(parallel, "prefill_context_parallel_size", 1)
-    )
 
 
 def block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int]:
