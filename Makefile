@@ -100,7 +100,8 @@ bench-extract: setup
 # llama-1b, llama-8b or deepseek-v3-moe; each fits one 10-minute call on the
 # lent H200 after the bundle is installed (../shared/gpu/README.md: there run
 # `python3 benchmarks/gpu_bench.py --model MODEL`). One line and exit 2 where
-# no CUDA device exists.
+# no CUDA device exists. BENCH_GPU_ARGS="--parts reuse" runs make
+# bench-reuse's three data sets on MODEL's checkpoint instead.
 MODEL ?= llama-1b
 BENCH_GPU_ARGS ?=
 GPU_PYTHON ?= $(firstword $(wildcard $(GPU_VENV)/bin/python $(PY)) $(PYTHON))

@@ -14,6 +14,9 @@ run, each part in a process of its own (gpu_parts.py says what each times):
   own rate from the first ``generate()``, and where its time went.
 * ``disk``: what the output disk takes in files the size of an average
   sample: into the page cache with 1 to 16 threads, and with an fsync each.
+* ``reuse`` (named only, not among the default parts): issue 47's three data
+  sets through ``extract --reuse-prefixes`` against ``extract``
+  (reuse_bench.py, one run a side).
 
 The peer at its best: prefill and native are each the best of 2 timed passes
 after a warm-up, run at vLLM's default ``gpu_memory_utilization`` and at
@@ -38,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_models import MODELS, SAMPLES, build_data
-from gpu_parts import EXTRACT_UTILIZATION, PARTS, label
+from gpu_parts import EXTRACT_UTILIZATION, PART_TIMEOUTS, PARTS, label
 from gpu_summary import summarise, write_results
 
 HERE = Path(__file__).resolve().parent
@@ -72,15 +75,16 @@ def spawn(args: argparse.Namespace, part: str, **options: Any) -> dict[str, Any]
     log(f"{name}: start")
     started = time.perf_counter()
     log_path = args.results / f"{name}-{args.model}.log"
+    limit = max(args.part_timeout, PART_TIMEOUTS.get(part, 0))
     try:
         done = subprocess.run(
-            command, capture_output=True, text=True, env=env, timeout=args.part_timeout
+            command, capture_output=True, text=True, env=env, timeout=limit
         )
     except subprocess.TimeoutExpired as exc:
         text = (exc.stdout or b"").decode() + (exc.stderr or b"").decode()
         log_path.write_text(text)
-        log(f"{name}: killed after {args.part_timeout} s")
-        return {"error": f"timed out after {args.part_timeout} s"}
+        log(f"{name}: killed after {limit} s")
+        return {"error": f"timed out after {limit} s"}
     log_path.write_text(done.stdout + done.stderr)
     lines = [x for x in done.stdout.splitlines() if x.startswith("BENCH ")]
     if done.returncode != 0 or not lines:

@@ -10,6 +10,7 @@ driver runs each at vLLM's default ``gpu_memory_utilization`` and at the one
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -341,6 +342,42 @@ def _write_files(where: Any, payload: bytes, count: int, threads: int, sync=Fals
     return rate
 
 
+REUSE_SAMPLES = 256  # a data set's two runs' files fit the lent host's disk
+
+
+def part_reuse(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
+    """Issue 47's three data sets (``reuse_bench.py``) on this model's
+    checkpoint: ``extract --reuse-prefixes`` against ``extract``, one run a
+    side (engine starts are dear on a lent host), files compared."""
+    if args.model in DUMMY_WEIGHTS:
+        raise RuntimeError("reuse runs extract on a checkpoint with weights")
+    name = label("reuse") + f"-{args.model}"
+    command = [
+        *(sys.executable, str(Path(__file__).with_name("reuse_bench.py"))),
+        *("--model-dir", str(args.model_dir), "--order", "AB"),
+        *("--layers", ",".join(str(k) for k in MODELS[args.model][2])),
+        *("--samples", str(REUSE_SAMPLES), "--results", str(args.results)),
+        *("--name", name),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    (args.results / f"{name}.bench.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"reuse_bench exited {done.returncode}: {done.stdout[-800:]}"
+        )
+    found = json.loads((args.results / f"{name}.json").read_text())
+    return {
+        kind: {
+            "speedup": row["speedup"],
+            "goal": row["goal"],
+            "samples": row["samples"],
+            "samples_per_second": row["samples_per_second"],
+            "identical": row["agreement"].get("identical"),
+        }
+        for kind, row in found["datasets"].items()
+    }
+
+
 def part_build(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
     """In a process of its own: the GPU memory it used is free for the rest."""
     build_model(args.model, args.model_dir)
@@ -355,4 +392,8 @@ PARTS = {
     "generate-v1": part_generate,
     "extract": part_extract,
     "disk": part_disk,
+    "reuse": part_reuse,
 }
+
+# Parts that outlast --part-timeout's default: six engine starts.
+PART_TIMEOUTS = {"reuse": 560}

@@ -104,6 +104,7 @@ def summarise(model: str, parts: dict[str, Any], tokens: int) -> dict[str, Any]:
         "backends": parts.get("generate", {}).get("backends"),
         "worker_profile": parts.get("generate", {}).get("worker_profile"),
         "kv_cache_tokens": parts.get("generate", {}).get("kv_cache_tokens"),
+        "reuse": parts.get("reuse") if "error" not in parts.get("reuse", {}) else None,
         "stack": _stack(),
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -199,7 +200,7 @@ def _notes(name: str, s: dict[str, Any]) -> list[str]:
             f"waited for batches {timing['writer_idle']} s."
         )
     notes += _step_notes(name, s) + _thread_notes(name, s) + _batch_notes(name, s)
-    notes += _profile_notes(name, s)
+    notes += _profile_notes(name, s) + _reuse_notes(name, s)
     met = s.get("targets") or {}
     if met:
         notes.append(
@@ -323,3 +324,17 @@ def _profile_notes(name: str, s: dict[str, Any]) -> list[str]:
         )
         + "."
     ]
+
+
+def _reuse_notes(name: str, s: dict[str, Any]) -> list[str]:
+    """``--parts reuse``: samples/s with ``--reuse-prefixes`` over without."""
+    found = s.get("reuse")
+    if not found:
+        return []
+    spelled = "; ".join(
+        f"{kind} {row['speedup']:.2f}x (goal {row['goal']}x, "
+        f"{'met' if row['speedup'] >= row['goal'] else 'missed'}; "
+        f"{row['identical']} of {row['samples']} files bit-identical)"
+        for kind, row in found.items()
+    )
+    return [f"- {name}: extract --reuse-prefixes over extract, samples/s: {spelled}."]

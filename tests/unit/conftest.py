@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +41,26 @@ def fake_module(tmp_path, monkeypatch):
         return name
 
     return make
+
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """Imports benchmarks/ modules the way the benchmark's scripts do."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        for name in (
+            "judge",
+            "plan",
+            "render",
+            "gpu_summary",
+            "gpu_models",
+            "gpu_parts",
+            "reuse_bench",
+        ):
+            sys.modules.pop(name, None)

@@ -2,32 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    """Imports benchmarks/ modules the way the benchmark's scripts do."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-        for name in (
-            "judge",
-            "plan",
-            "render",
-            "gpu_summary",
-            "gpu_models",
-            "gpu_parts",
-        ):
-            sys.modules.pop(name, None)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,53 @@
+"""bench-reuse's data sets share what they claim to, and bench-gpu's notes say
+what --parts reuse and --worker-profile found."""
+
+from __future__ import annotations
+
+
+def test_the_data_sets_share_what_issue_47_names(bench):
+    dataset = bench("reuse_bench").dataset
+    system = dataset("system", 12, 320)
+    assert all(s[:1024] == system[0][:1024] for s in system)
+    assert all(128 <= len(s) - 1024 <= 1023 for s in system)
+    assert len({tuple(s[1024:1040]) for s in system}) == 12  # tails differ
+    responses = dataset("responses", 12, 320)
+    for group in range(3):
+        four = responses[4 * group : 4 * group + 4]
+        assert all(s[:512] == four[0][:512] for s in four)
+        assert all(128 <= len(s) - 512 <= 512 for s in four)
+    assert responses[0][:512] != responses[4][:512]
+    unshared = dataset("unshared", 12, 320)
+    assert len({tuple(s[:16]) for s in unshared}) == 12  # not one block shared
+    assert all(256 <= len(s) <= 1536 and max(s) < 320 for s in unshared)
+
+
+def test_bench_gpu_says_what_reuse_gained_and_what_the_profile_counted(bench):
+    """--parts reuse: each of issue 47's data sets' speedup against its goal
+    in a note; --worker-profile: the forward steps the calls took and the
+    tokens speculators' KV cache holds."""
+    summary_module = bench("gpu_summary")
+    reuse = {
+        "system": {"speedup": 2.5, "goal": 1.6, "samples": 256, "identical": 3},
+        "unshared": {"speedup": 0.9, "goal": 0.97, "samples": 256, "identical": 256},
+    }
+    profile = {"calls": 4, "wall_s": 0.5, "device_us": 400000, "steps": 16}
+    profile["tokens_per_step"] = [7000, 8100, 6900, 6600]
+    parts = {
+        "prefill@default": {"seconds": 4.0, "passes": [4.0, 4.1], "settings": {}},
+        "generate": {
+            "seconds": 5.0,
+            "worker_profile": profile,
+            "kv_cache_tokens": 32768,
+        },
+        "reuse": reuse,
+    }
+    text = summary_module.render(
+        {"llama-1b": summary_module.summarise("llama-1b", parts, 1_000_000)}
+    )
+    assert (
+        "llama-1b: extract --reuse-prefixes over extract, samples/s: system 2.50x "
+        "(goal 1.6x, met; 3 of 256 files bit-identical); unshared 0.90x (goal "
+        "0.97x, missed; 256 of 256 files bit-identical)." in text
+    )
+    assert "16 forward steps, 8,100 tokens in the largest" in text
+    assert "speculators' KV cache holds 32,768 tokens" in text
