@@ -130,3 +130,19 @@ def test_a_stalled_start_up_says_every_interval_what_it_waits_for(
     assert (
         len([r for r in caplog.records if "still starting" in r.getMessage()]) == count
     )
+
+
+def test_a_failed_batch_names_its_samples_as_they_are():
+    """A range only where the indexes run without a gap: a resumed run skips
+    samples, and --reuse-prefixes reorders the feed ("21 to 4" said nothing)."""
+    from types import SimpleNamespace
+
+    def batch(*indexes):
+        return [SimpleNamespace(index=i) for i in indexes]
+
+    assert _extract._spelled(batch(4, 5, 6)) == "4 to 6"
+    assert _extract._spelled(batch(21, 3, 4)) == "21, 3, 4"
+    assert _extract._spelled(batch(3, 5, 6)) == "3, 5, 6"
+    assert _extract._spelled(batch(*range(40, 0, -2))) == (
+        "40, 38, 36, 34, 32, 30, 28, 26, 24, 22 ... (20 in all)"
+    )

@@ -337,9 +337,20 @@ def _generate(generator: Any, batch: list[Todo], writer: Writer) -> list[Any]:
         first = (str(exc).strip().splitlines() or [""])[0]
         raise SpecShimError(
             f"generate() failed ({type(exc).__name__}: {first}) on samples "
-            f"{batch[0].index} to {batch[-1].index}; nothing of this batch was "
-            "written. The batches before it are, and a rerun resumes from there."
+            f"{_spelled(batch)}; nothing of this batch was written. The batches "
+            "before it are, and a rerun resumes from there."
         ) from exc
+
+
+def _spelled(batch: list[Todo]) -> str:
+    """The batch's sample indexes: a range where they run without a gap,
+    else each, the first ten (a resumed run skips samples already written,
+    and --reuse-prefixes reorders the feed)."""
+    first, last = batch[0].index, batch[-1].index
+    if [t.index for t in batch] == list(range(first, last + 1)):
+        return f"{first} to {last}"
+    more = f" ... ({len(batch)} in all)" if len(batch) > 10 else ""
+    return ", ".join(str(t.index) for t in batch[:10]) + more
 
 
 def _shutdown(generator: Any) -> None:
