@@ -118,6 +118,9 @@ def test_llm_generate_is_unchanged_with_specshim_active(tiny_model_dir):
             "specshim._environ",
             "specshim._hooks",
             "specshim._knobs",
+            # The prefix-reuse seam the patches share with extract (stdlib
+            # only): generate_guard's declaration module imports it.
+            "specshim._prefix_reuse",
             "specshim._registry",
             "specshim._remote_code",
             "specshim._settings",
