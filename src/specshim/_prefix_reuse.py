@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from specshim._base import UsageError
+
 BlockHasher = Callable[[Any, Sequence[int]], Hashable]
 
 REUSE = "SPECSHIM_REUSE_PREFIXES"
@@ -61,7 +63,14 @@ def default_store() -> PrefixRows:
     """The library path's store: the most recent blocks under
     ``SPECSHIM_PREFIX_ROWS_MIB`` (default ``DEFAULT_CAP_MIB``)."""
     mib = os.environ.get(CAP_VARIABLE, "").strip()
-    return PrefixRows((int(mib) if mib.isdigit() else DEFAULT_CAP_MIB) << 20)
+    if not mib:
+        return PrefixRows(DEFAULT_CAP_MIB << 20)
+    if not mib.isdigit():  # a typo must not quietly become a gigabyte
+        raise UsageError(
+            f"{CAP_VARIABLE}={mib!r} is not a whole number of MiB: give one "
+            f"(0 keeps no rows between calls) or unset it for {DEFAULT_CAP_MIB}"
+        )
+    return PrefixRows(int(mib) << 20)
 
 
 def prefix_store(generator: Any) -> PrefixRows:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
-from specshim._prefix_reuse import PrefixRows, chain, digest
+from specshim._base import UsageError
+from specshim._prefix_reuse import PrefixRows, chain, default_store, digest
 from specshim.patches._transport.prefix_rows import stitch
 
 B = 4  # block size
@@ -127,3 +129,24 @@ def test_the_cap_is_enforced():
 
 def test_digest_tells_sequences_apart():
     assert digest([1, 2, 3]) == digest([1, 2, 3]) != digest([1, 2, 4])
+
+
+@pytest.mark.parametrize(
+    ("value", "cap_mib"), [(None, 1024), ("", 1024), ("0", 0), (" 16 ", 16)]
+)
+def test_the_library_paths_cap_is_read_from_its_variable(monkeypatch, value, cap_mib):
+    if value is None:
+        monkeypatch.delenv("SPECSHIM_PREFIX_ROWS_MIB", raising=False)
+    else:
+        monkeypatch.setenv("SPECSHIM_PREFIX_ROWS_MIB", value)
+    assert default_store().cap_bytes == cap_mib << 20
+
+
+@pytest.mark.parametrize("value", ["1g", "-5", "0.5", "lots"])
+def test_a_cap_that_is_no_whole_number_is_refused_in_one_line(monkeypatch, value):
+    monkeypatch.setenv("SPECSHIM_PREFIX_ROWS_MIB", value)
+    with pytest.raises(UsageError) as refused:
+        default_store()
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"SPECSHIM_PREFIX_ROWS_MIB={value!r} is not a whole")
