@@ -7,11 +7,32 @@ shift of one row.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 from specshim.job.verify.hf_reference import mismatch
 
-__all__ = ["assert_batch_matches", "mismatch"]
+__all__ = ["assert_batch_matches", "found_by", "mismatch"]
+
+
+def found_by(module: str, *args: str, **env: str) -> dict[str, Any]:
+    """Run a scripted generator (``python -m module args``, specshim on, the
+    variables ``env`` added) and return what its last ``FOUND {json}`` line
+    says; the run must exit 0."""
+    environ = {k: v for k, v in os.environ.items() if k != "SPECSHIM_DISABLE"}
+    run = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=environ | env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = [x for x in run.stdout.splitlines() if x.startswith("FOUND ")][-1]
+    return json.loads(line[6:])
 
 
 def assert_batch_matches(

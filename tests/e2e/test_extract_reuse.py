@@ -17,7 +17,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ import torch
 
 from specshim.job.verify.hf_reference import mismatch
 
+from .checks import found_by
 from .test_extract import LAYERS, _command, _files, _run_ok, _start, _wait_for_files
 
 pytestmark = pytest.mark.e2e
@@ -151,20 +151,15 @@ def test_evicted_blocks_are_recomputed_and_rows_the_store_lost_are_computed_whol
     """The library path (``reuse_library``): a KV cache of about 64 blocks,
     evicted by one long sequence between two that share a prefix."""
     model = tiny_model_dir("llama")
-    env = {k: v for k, v in os.environ.items() if k != "SPECSHIM_DISABLE"}
-    env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "REUSE_KV_FRACTION": "0.0036"}
-    env["SPECSHIM_PREFIX_ROWS_MIB"] = cap_mib
     out = tmp_path / "rows.pt"
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.reuse_library", str(model), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
+    found = found_by(
+        "tests.e2e.reuse_library",
+        str(model),
+        str(out),
+        VLLM_CPU_KVCACHE_SPACE="1",
+        REUSE_KV_FRACTION="0.0036",
+        SPECSHIM_PREFIX_ROWS_MIB=cap_mib,
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = [x for x in run.stdout.splitlines() if x.startswith("FOUND ")][-1]
-    found = json.loads(line[6:])
     assert found["caching"] is True and found["blocks"] * found["block"] <= 1024
     # b came after the filler evicted p: vLLM computed it whole, served nothing.
     assert found["b"] == {"served": 0, "recomputed": []}

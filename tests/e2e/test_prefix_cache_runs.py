@@ -8,33 +8,15 @@ Extended: one generator start, for a reading no flag uses yet."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from .checks import found_by
 
 pytestmark = pytest.mark.extended
 
 
 def test_served_blocks_leave_runs_match_tails_ties_to_their_sequences(tiny_model_dir):
-    env = {k: v for k, v in os.environ.items() if k != "SPECSHIM_DISABLE"}
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.e2e.prefix_cache_runs",
-            str(tiny_model_dir("llama")),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = [x for x in run.stdout.splitlines() if x.startswith("FOUND ")][-1]
-    found = json.loads(line[6:])
+    found = found_by("tests.e2e.prefix_cache_runs", str(tiny_model_dir("llama")))
     block, (first, second, third) = found["block"], found["calls"]
     assert found["caching"] is True
     served = 2 * block  # the shared 2.5 blocks: two whole ones are cached
