@@ -155,6 +155,18 @@ def generate_budget(args: argparse.Namespace) -> int:
     return int(args.budget or GPU_STEP_DEFAULTS["max_batched_tokens"])
 
 
+def set_generate_budget(args: argparse.Namespace) -> int:
+    """Put ``generate_budget`` in force for generators made from now on, and
+    return it. With ``configure()``: a ``SPECSHIM_*`` variable is read once, at
+    ``import specshim``, and ``generate_budget`` has imported specshim by
+    then (a variable set here ran every generate() at speculators' 8,192)."""
+    import specshim  # first: it arms the patches speculators needs
+
+    budget = generate_budget(args)
+    specshim.configure(max_batched_tokens=budget)
+    return budget
+
+
 def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
     """speculators' generate() with specshim, batches of 32, no files; at
     ``--budget`` tokens a step where given (extract's --max-batched-tokens),
@@ -162,9 +174,7 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
     generate compares the two at one step budget."""
     import importlib
 
-    budget = generate_budget(args)
-    os.environ["SPECSHIM_MAX_BATCHED_TOKENS"] = str(budget)
-    import specshim  # noqa: F401  (first: it arms the patches speculators needs)
+    budget = set_generate_budget(args)
     from specshim.testing.worker_probes import backends
 
     if args.model in DUMMY_WEIGHTS:
@@ -191,7 +201,11 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
             del results
         passes.append(time.perf_counter() - start)
     found = _best(passes) | {"backends": generator.executor.collective_rpc(backends)[0]}
-    found["max_batched_tokens"] = budget
+    # What the scheduler ran at, read back: the figure names its real budget.
+    ran = int(generator.vllm_config.scheduler_config.max_num_batched_tokens)
+    if ran != budget:
+        raise RuntimeError(f"generate ran at {ran} tokens a step, asked {budget}")
+    found["max_batched_tokens"] = ran
     found["batch_size"] = size
     cache = generator.vllm_config.cache_config  # what speculators sized it to
     found["kv_cache_tokens"] = int(cache.num_gpu_blocks or 0) * cache.block_size

@@ -189,6 +189,32 @@ def test_bench_gpus_generate_runs_at_extracts_step_budget(bench):
     assert parts.generate_budget(argparse.Namespace(budget=8192)) == 8192
 
 
+def test_bench_gpus_generate_puts_its_budget_in_force_after_import_specshim(bench):
+    """specshim is imported before part_generate picks its budget, so a
+    SPECSHIM_* variable set then is never read: the budget must reach
+    speculators' module all the same (it once ran every call at 8,192)."""
+    import argparse
+    import importlib
+
+    import specshim
+
+    parts = bench("gpu_parts")
+    module = importlib.import_module(
+        "speculators.data_generation.vllm_hidden_states_generator"
+    )
+    try:
+        for budget in (12_288, 0):
+            chosen = parts.set_generate_budget(argparse.Namespace(budget=budget))
+            assert (
+                module.MIN_MAX_BATCHED_TOKENS
+                == chosen
+                == parts.generate_budget(argparse.Namespace(budget=budget))
+            )
+    finally:
+        specshim.configure(reset=True)
+    assert module.MIN_MAX_BATCHED_TOKENS == 8192
+
+
 def test_bench_gpu_says_extracts_rate_at_each_writer_pool_size(bench):
     """--writer-threads runs extract again with SPECSHIM_WRITER_THREADS at each
     size: the table keeps extract's own run, a note lists the others."""
