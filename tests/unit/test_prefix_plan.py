@@ -137,3 +137,13 @@ def test_the_engines_block_hashing_finds_what_the_plain_one_finds():
     ids = prompt[:48]
     assert len(chain(ids, B, engine_block_hasher())) == 3
     assert chain(ids, B, engine_block_hasher()) == chain(ids, B, engine_block_hasher())
+
+
+def test_a_sharded_run_says_that_it_plans_its_own_samples_only():
+    from specshim.job.extract.reuse import shard_note
+
+    assert shard_note((0, 1)) is None
+    note = shard_note((2, 4))
+    assert note is not None and "\n" not in note
+    assert "within shard 2/4 only (samples i % 4 == 2)" in note
+    assert "4 apart" in note

@@ -169,7 +169,11 @@ class _Pipeline:
         # The rate's clock starts here: the plan is part of the run's cost.
         self.first_generate = time.monotonic() - self.began
         ordered, self.reuse = reuse.planned(
-            todos, self.generator, len(self.plan.layers), self.plan.reuse_cap_mib
+            todos,
+            self.generator,
+            len(self.plan.layers),
+            self.plan.reuse_cap_mib,
+            self.plan.shard,
         )
         return ordered
 

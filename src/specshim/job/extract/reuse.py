@@ -81,12 +81,37 @@ def bytes_per_token(generator: Any, layers: int) -> int:
     return layers * model.get_hidden_size() * width
 
 
+def shard_note(shard: tuple[int, int]) -> str | None:
+    """What a run of one shard of several should know: it plans only its own
+    samples, and sharers that fall to other shards compute their prefix
+    again."""
+    index, count = shard
+    if count < 2:
+        return None
+    return (
+        f"extract: --reuse-prefixes plans within shard {index}/{count} only "
+        f"(samples i % {count} == {index}): a prefix is computed again in every "
+        "shard that has samples sharing it, so sharers that sit next to each "
+        "other (responses to one prompt, turns of one conversation) mostly lose "
+        f"it; fewer, larger shards (--tp) keep more, as does a dataset that puts "
+        f"such samples {count} apart"
+    )
+
+
 def planned(
-    todos: list[Todo], generator: Any, layers: int, cap_mib: int | None
+    todos: list[Todo],
+    generator: Any,
+    layers: int,
+    cap_mib: int | None,
+    shard: tuple[int, int] = (0, 1),
 ) -> tuple[list[Todo], Reuse]:
     """``todos`` in the plan's order, and the run's ``Reuse`` (the generator
     given its store); unchanged where this vLLM kept the cache off."""
     from specshim._prefix_reuse import PrefixRows, digest, give_store, reuse_block
+
+    note = shard_note(shard)
+    if note:
+        logger.warning(note)
 
     block = reuse_block(generator.vllm_config)
     if not block:
