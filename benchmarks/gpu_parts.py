@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_models import DUMMY_WEIGHTS, MODELS, build_model, state_bytes_per_token
+from gpu_profiles import profiled, worker_profiled
 
 MAX_MODEL_LEN = 2048
 BATCH = 32
@@ -210,58 +211,13 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
     cache = generator.vllm_config.cache_config  # what speculators sized it to
     found["kv_cache_tokens"] = int(cache.num_gpu_blocks or 0) * cache.block_size
     if args.profile:
-        found["profile"] = _profiled(generator, batches[: args.profile])
+        found["profile"] = profiled(generator, batches[: args.profile])
     if args.worker_profile:
-        found["worker_profile"] = _worker_profiled(
+        found["worker_profile"] = worker_profiled(
             generator, batches[: args.worker_profile]
         )
     generator.executor.shutdown()
     return found
-
-
-def _worker_profiled(generator: Any, batches: list[Any]) -> dict[str, Any]:
-    """``batches`` under torch's profiler in the worker: the wall time of
-    their generate() calls against the GPU's busy time in kernels and copies
-    (the table of the top operations goes to the part's log)."""
-    from specshim.testing.worker_probes import profile_start, profile_stop
-
-    rpc = generator.executor.collective_rpc
-    executor = generator.executor
-    steps, tokens = [], []
-    execute = executor.execute_model
-
-    def counted(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        steps.append(time.perf_counter())
-        tokens.append(scheduler_output.total_num_scheduled_tokens)
-        return execute(scheduler_output, *args, **kwargs)
-
-    executor.execute_model = counted  # the forward steps the calls took
-    rpc(profile_start)
-    start = time.perf_counter()
-    for batch in batches:
-        generator.generate(batch)
-    wall = time.perf_counter() - start
-    found = rpc(profile_stop)[0]
-    del executor.execute_model
-    print(found.pop("table"), flush=True)
-    found["steps"] = len(steps)
-    found["tokens_per_step"] = tokens
-    return {"calls": len(batches), "wall_s": round(wall, 3)} | found
-
-
-def _profiled(generator: Any, batches: list[Any]) -> str:
-    import cProfile
-    import io
-    import pstats
-
-    profile = cProfile.Profile()
-    profile.enable()
-    for batch in batches:
-        generator.generate(batch)
-    profile.disable()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-    return text.getvalue()[-6000:]
 
 
 _TIMING = re.compile(

@@ -16,6 +16,26 @@ pytestmark = pytest.mark.e2e
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 1, 40, 41, 42], [7]]
 
+# What a plain vLLM worker may load of specshim besides its patch
+# declarations: the core, no extract pipeline, CLI or testing helpers.
+WORKER_CORE = {
+    "specshim",
+    "specshim._base",
+    "specshim._closing",
+    "specshim._environ",
+    "specshim._hooks",
+    "specshim._knobs",
+    # The prefix-reuse seam the patches share with extract (stdlib
+    # only): generate_guard's declaration module imports it.
+    "specshim._prefix_reuse",
+    "specshim._registry",
+    "specshim._remote_code",
+    "specshim._settings",
+    "specshim._types",
+    "specshim._versions",
+    "specshim_vllm_plugin",
+}
+
 SCRIPT = """
 import json, sys
 
@@ -111,27 +131,10 @@ def test_llm_generate_is_unchanged_with_specshim_active(tiny_model_dir):
         # Nothing heavy: vLLM always imports transformers' config module, so
         # the registry reads its patch declarations; beyond those, only
         # specshim's core (no extract pipeline, CLI or testing helpers).
-        core = {
-            "specshim",
-            "specshim._base",
-            "specshim._closing",
-            "specshim._environ",
-            "specshim._hooks",
-            "specshim._knobs",
-            # The prefix-reuse seam the patches share with extract (stdlib
-            # only): generate_guard's declaration module imports it.
-            "specshim._prefix_reuse",
-            "specshim._registry",
-            "specshim._remote_code",
-            "specshim._settings",
-            "specshim._types",
-            "specshim._versions",
-            "specshim_vllm_plugin",
-        }
         extra = [
             m
             for m in worker["modules"]
-            if m not in core and not m.startswith("specshim.patches")
+            if m not in WORKER_CORE and not m.startswith("specshim.patches")
         ]
         assert extra == [], extra
     # SPECSHIM_DISABLE=all: the plugin imports nothing beyond its own

@@ -61,6 +61,7 @@ def bench():
             "gpu_summary",
             "gpu_models",
             "gpu_parts",
+            "gpu_profiles",
             "reuse_bench",
         ):
             sys.modules.pop(name, None)
