@@ -149,7 +149,8 @@ def test_evicted_blocks_are_recomputed_and_rows_the_store_lost_are_computed_whol
     tmp_path, tiny_model_dir, hf_reference, cap_mib
 ):
     """The library path (``reuse_library``): a KV cache of about 64 blocks,
-    evicted by one long sequence between two that share a prefix."""
+    evicted by one long sequence between two that share a prefix; and a
+    served tail that follows on from another request's rows."""
     model = tiny_model_dir("llama")
     out = tmp_path / "rows.pt"
     found = found_by(
@@ -167,10 +168,15 @@ def test_evicted_blocks_are_recomputed_and_rows_the_store_lost_are_computed_whol
         assert found["c"] == {"served": 0, "recomputed": [0]}
     else:  # c was served p's two whole blocks, put back from b's rows
         assert found["c"] == {"served": 2 * found["block"], "recomputed": []}
+    # lent: S's tokens read as C's rows and X's served tail; S is computed
+    # whole, never given rows computed after X's first block.
+    assert 2 in found["lent"]["recomputed"]
     reference = hf_reference(model)
-    for name, row in torch.load(out, weights_only=True).items():
-        why = mismatch(row["hidden_states"], reference.states(row["input_ids"], LAYERS))
-        assert why is None, f"{name}: {why}"
+    for name, sequences in torch.load(out, weights_only=True).items():
+        for index, row in enumerate(sequences):
+            states = reference.states(row["input_ids"], LAYERS)
+            why = mismatch(row["hidden_states"], states)
+            assert why is None, f"{name}[{index}]: {why}"
 
 
 # Extended (make test-extended): the same proof on the other shapes the issue

@@ -108,3 +108,45 @@ def test_a_second_whole_run_beside_an_untold_tail_is_still_a_stray():
     ids, positions = _capture((first, 0), (first, 0), (tail, 4))
     found, strays, untold = match_tails([first, second], ids, positions, [17], BLOCK)
     assert found == [(0, 7, 0), None] and strays == [(7, 14)] and untold == [1]
+
+
+@pytest.mark.parametrize("s_served", [True, False])
+def test_a_tail_lent_by_another_head_is_never_taken_for_a_whole_run(s_served):
+    """C is one block; X, served Q, has C's next tokens as its tail; S is C
+    and that tail. X's served tail follows on from C's rows, so C's rows and
+    X's tail read as one run 0..6 whose tokens are S's: taken, S would get
+    rows computed after Q. S is computed whole instead (and X too)."""
+    tail = [30, 31, 32]
+    c, x, s = P, Q + tail, P + tail
+    third = (tail, 4) if s_served else (s, 0)
+    ids, positions = _capture((c, 0), (tail, 4), third)
+    found, strays, untold = match_tails(
+        [c, x, s], ids, positions, [14 - 4 * s_served], BLOCK
+    )
+    assert found[0] is None or found[0] == (0, 4, 0)
+    assert found[1] is None and found[2] is None
+    assert 2 in untold
+
+
+def test_a_tail_that_only_continues_the_same_tokens_is_still_taken():
+    """The other side: where the sequence that may have lent the tail has the
+    same tokens before it, the rows are the same; nothing is recomputed."""
+    longer = P + [5, 6, 7, 8] + [50]
+    shorter = P + [5, 6, 7, 8]  # longer's first 8 tokens
+    ids, positions = _capture((shorter, 0), ([50], 8))
+    found, strays, untold = match_tails([shorter, longer], ids, positions, [9], BLOCK)
+    assert found == [None, (0, 9, 0)] and untold == []
+    assert strays == []
+
+
+def test_a_lent_tail_at_the_start_of_a_served_run_is_never_taken():
+    """J, served Q, computes [5..8] at 4; a duplicate of I, served 8 tokens,
+    computes [9, 9, 9] at 8 right after: one run at 4 with I's tail. Its first
+    rows followed Q, not P: I is computed whole; the duplicate keeps its own
+    whole run."""
+    i = P + [5, 6, 7, 8] + [9, 9, 9]
+    j = Q + [5, 6, 7, 8]
+    ids, positions = _capture(([5, 6, 7, 8], 4), ([9, 9, 9], 8), (i, 0))
+    found, strays, untold = match_tails([i, list(i), j], ids, positions, [18], BLOCK)
+    assert found[0] is None and 0 in untold
+    assert found[1] == (7, 18, 0)
