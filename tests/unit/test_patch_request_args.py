@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from specshim._base import SpecShimError
 from specshim._types import NotNeeded
 from specshim.patches.main import request_args
 
@@ -119,3 +120,28 @@ def test_salted_positions_get_a_salt_of_their_own_and_only_with_caching_on():
     assert salts[0] is None and salts[2] is None
     assert salts[1] and again and salts[1] != again  # unique: never shared
     assert make(**(kwargs | {"request_id": "req_9_1"})).cache_salt is None
+
+
+@pytest.mark.parametrize(
+    ("shape", "request_id", "why"),
+    [
+        (Request016, "req_7_1", "takes no cache_salt"),  # a release without salts
+        (
+            RequestSalted,
+            "custom-id",
+            "names no position",
+        ),  # ids speculators no longer makes
+    ],
+)
+def test_a_salt_that_cannot_be_given_is_refused_not_skipped(shape, request_id, why):
+    """A sequence to compute whole that went unsalted could be served from
+    the cache and its joined rows read as whole: the request is refused."""
+    make = _applied(request_args, shape)
+    request_args.set_salted({1})
+    request_args.set_block_hasher(object())
+    try:
+        with pytest.raises(SpecShimError, match=why):
+            make(**(dict(SPECULATORS_REQUEST_KWARGS) | {"request_id": request_id}))
+    finally:
+        request_args.set_block_hasher(None)
+        request_args.set_salted(None)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from specshim._base import SpecShimError
 from specshim._types import NotNeeded
 from specshim.patches._declare import declare
 from specshim.patches._wrappers import adapt_kwargs, parameters
@@ -73,7 +74,13 @@ def _salt(request_id: Any) -> str | None:
         return None
     # speculators names its requests req_{call}_{position in the call}
     _, _, position = str(request_id).rpartition("_")
-    if position.isdigit() and int(position) in salted:
+    if not position.isdigit():  # a salt missed is a sequence served unseen
+        raise SpecShimError(
+            f"prefix reuse: request id {request_id!r} names no position in the "
+            "call, so the sequences to compute whole cannot be salted; run "
+            "without --reuse-prefixes (SPECSHIM_REUSE_PREFIXES)"
+        )
+    if int(position) in salted:
         return f"specshim-whole-{request_id}"
     return None
 
@@ -100,9 +107,16 @@ def _adapt(params: dict[str, Any]) -> Any:
         hasher = getattr(_local, "hasher", None)
         if hasher is not None and "block_hasher" in params:
             kwargs.setdefault("block_hasher", hasher)
-            salt = _salt(kwargs.get("request_id"))
-            if salt is not None and "cache_salt" in params:
-                kwargs["cache_salt"] = salt
+        salt = _salt(kwargs.get("request_id"))
+        if salt is not None:
+            if hasher is None or not {"block_hasher", "cache_salt"} <= set(params):
+                raise SpecShimError(
+                    "prefix reuse: this vLLM's Request takes no cache_salt (or "
+                    "no block hasher), so a sequence to compute whole could be "
+                    "served from the cache; run without --reuse-prefixes "
+                    "(SPECSHIM_REUSE_PREFIXES)"
+                )
+            kwargs["cache_salt"] = salt
         return kwargs
 
     return adapt
