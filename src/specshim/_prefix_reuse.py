@@ -144,6 +144,21 @@ class PrefixRows:
         self.computed_tokens = 0  # rows the capture held
         self.recomputed = 0  # sequences computed whole after a miss
         self.refused_bytes = 0  # rows not kept: over the cap
+        self.rows_of: tuple[Any, ...] | None = None  # (layers' width, dtype)
+
+    def bind(self, layers: list[Any]) -> None:
+        """Check that a call's captured rows are the kind this store holds
+        (the same layers, widths and dtypes): rows are known by their tokens
+        alone, so one store must never serve two models or layer sets."""
+        kind = tuple((tuple(t.shape[1:]), str(t.dtype)) for t in layers)
+        if self.rows_of is None:
+            self.rows_of = kind
+        elif kind != self.rows_of:
+            raise UsageError(
+                f"prefix reuse: this store holds rows of {len(self.rows_of)} "
+                f"layers {self.rows_of}, the call captured {len(kind)} {kind}: "
+                "give each generator a store of its own"
+            )
 
     def get(self, block: Hashable) -> list[Any] | None:
         rows = self.blocks.get(block)

@@ -150,3 +150,19 @@ def test_a_cap_that_is_no_whole_number_is_refused_in_one_line(monkeypatch, value
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith(f"SPECSHIM_PREFIX_ROWS_MIB={value!r} is not a whole")
+
+
+def test_a_store_never_serves_rows_of_other_layers():
+    """Rows are known by their tokens alone: a store that held one model's
+    (or layer set's) rows refuses a call that captured another's."""
+    rng = random.Random(11)
+    ids = _tokens(rng, 2 * B)
+    store = PrefixRows(1 << 20)
+    found = [(0, len(ids), 0)]
+    stitch([ids], _states(len(ids), 1), found, B, store)
+    wider = [torch.randn(len(ids), 5) for _ in range(LAYERS)]
+    with pytest.raises(UsageError, match="give each generator a store of its own"):
+        stitch([ids], wider, found, B, store)
+    fewer = _states(len(ids), 2)[:1]
+    with pytest.raises(UsageError, match="store of its own"):
+        stitch([ids], fewer, found, B, store)

@@ -34,6 +34,7 @@ def stitch(
     run, which continued it in the same forward) is complete from its blocks
     alone.
     """
+    store.bind(stacked)
     call = _Call(sequences, block_size, store)
     # A served block was computed by a sequence served less: fewest first.
     ran = [i for i, run in enumerate(found) if run is not None]
