@@ -5,10 +5,13 @@ two sequences with that tail differ before it, neither is taken."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from specshim import SpecShimError
+from specshim.patches._transport import rows as rows_module
 from specshim.patches._transport.rows import match_runs, match_tails
 
 BLOCK = 4
@@ -150,3 +153,60 @@ def test_a_lent_tail_at_the_start_of_a_served_run_is_never_taken():
     found, strays, untold = match_tails([i, list(i), j], ids, positions, [18], BLOCK)
     assert found[0] is None and 0 in untold
     assert found[1] == (7, 18, 0)
+
+
+def _sharers(rng: random.Random) -> list[list[int]]:
+    """A call whose sequences lend each other tails: from a sequence ``i``
+    over two tokens, pieces ``i[a:b]`` (``a`` a whole block) after ``i``'s own
+    head or another one, duplicates of ``i``, and ``i`` itself."""
+    i = [rng.randrange(1, 3) for _ in range(rng.randint(2 * BLOCK, 6 * BLOCK + 3))]
+    call = [i]
+    for _ in range(rng.randint(2, 5)):
+        a = rng.randrange(0, len(i) - 1, BLOCK)
+        b = rng.randint(a + 1, len(i))
+        own = rng.random() < 0.3
+        head = i[:a] if own else [rng.randrange(1, 3) for _ in range(a)]
+        call.append(head + i[a:b])
+    if rng.random() < 0.3:
+        call.append(list(i))
+    return call
+
+
+def _wrong_rows(cases: int) -> tuple[int, int]:
+    """(matched sequences checked, those given a row computed after other
+    tokens than their own), over random calls: each request computed from a
+    whole block it was served (fewer than all its tokens) to its end, the
+    requests in a random order in one forward."""
+    rng = random.Random(3)
+    checked = wrong = 0
+    for _ in range(cases):
+        call = _sharers(rng)
+        order = rng.sample(range(len(call)), len(call))
+        served = {r: rng.randrange(0, len(call[r]), BLOCK) for r in order}
+        made = [(r, t) for r in order for t in range(served[r], len(call[r]))]
+        ids = torch.tensor([call[r][t] for r, t in made])
+        positions = torch.tensor([t for _, t in made])
+        try:
+            found, _, _ = match_tails(call, ids, positions, [len(made)], BLOCK)
+        except SpecShimError:
+            continue  # refused loudly: never wrong
+        for x, hit in enumerate(found):
+            if hit is not None:
+                checked += 1
+                start, end, _ = hit
+                wrong += any(
+                    call[r][: t + 1] != call[x][: t + 1] for r, t in made[start:end]
+                )
+    return checked, wrong
+
+
+def test_no_matched_run_holds_a_row_computed_after_other_tokens(monkeypatch):
+    """Every row of every matched run was computed after exactly its
+    sequence's tokens, whatever the order and the served blocks; without the
+    lent-tail check the same calls give rows computed after other heads."""
+    checked, wrong = _wrong_rows(1500)
+    assert wrong == 0 and checked > 1500
+    monkeypatch.setattr(
+        rows_module._Lenders, "may_hold_a_lent_tail", lambda *args: False
+    )
+    assert _wrong_rows(1500)[1] >= 10

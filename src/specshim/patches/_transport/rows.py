@@ -127,7 +127,7 @@ def match_tails(
     on from the run before it in the same forward reads as part of that run
     (the rows carry no request boundary). Where the joined run matches no
     sequence it is a stray; where it does, it is taken only if no sequence of
-    the call could have lent it a tail (``_may_hold_a_lent_tail``): else that
+    the call could have lent it a tail (``_Lenders``): else that
     sequence is named in the third list too.
     """
     found: list[tuple[int, int, int] | None] = [None] * len(sequences)
@@ -157,43 +157,52 @@ def match_tails(
         elif (k, tail) not in untold:
             strays.append((s, e))
     named = {i for claimants in untold.values() for i in claimants}
+    lent = _Lenders(sequences)
     for index, hit in enumerate(found):
-        if hit is not None and _may_hold_a_lent_tail(sequences, index, hit[2], block):
+        if hit is not None and lent.may_hold_a_lent_tail(index, hit[2], block):
             found[index] = None
             named.add(index)
     return found, strays, sorted(i for i in named if found[i] is None)
 
 
-def _may_hold_a_lent_tail(sequences: list[Any], index: int, k: int, block: int) -> bool:
-    """Whether the run matched to ``sequences[index]`` at ``k`` may end in
-    another request's served tail: rows of a sequence ``j`` of the call
-    computed from a whole block ``p >= k`` on, joined to the rows of a request
-    that ends at ``p`` because their positions follow on. Such rows were
-    computed after ``j``'s first ``p`` tokens, so they are this sequence's
-    only where ``j[:p]`` is its ``[:p]``. The run is refused if some ``j``
-    has, at a whole block ``p`` with ``k <= p < len(j) <= len(sequence)``, the
-    same tokens from ``p`` to its end and other tokens before ``p``, where
-    ``p`` is the run's start or another sequence of the call ``p`` tokens long
-    ends with this one's token ``p-1``."""
-    import torch
+class _Lenders:
+    """The call's sequences as tensors, each with its length and last token,
+    made once a call (not once a matched sequence)."""
 
-    ids = torch.as_tensor(sequences[index], dtype=torch.long).reshape(-1)
-    n = ids.numel()
-    ends: set[tuple[int, int]] = set()  # (length, last token) of each sequence
-    seqs = [torch.as_tensor(x, dtype=torch.long).reshape(-1) for x in sequences]
-    for x in seqs:
-        if x.numel():
-            ends.add((x.numel(), int(x[-1])))
-    for j, other in enumerate(seqs):
-        m = other.numel()
-        if j == index or not k < m <= n or int(other[-1]) != int(ids[m - 1]):
-            continue  # no tail after k, or none that ends as this one does
-        differ = (other != ids[:m]).nonzero().flatten()
-        if not differ.numel():
-            continue  # j is this sequence's first m tokens: the same rows
-        same_tail = m - 1 - int(differ[-1])  # tokens equal at the end
-        first = max(k, m - same_tail, int(differ[0]) + 1)
-        for p in range(-(-first // block) * block, m, block):
-            if p == k or (p, int(ids[p - 1])) in ends:
-                return True  # j's tail starts the run, or follows a request
-    return False
+    def __init__(self, sequences: list[Any]) -> None:
+        import torch
+
+        self.seqs = [
+            torch.as_tensor(x, dtype=torch.long).reshape(-1) for x in sequences
+        ]
+        self.lists = [x.tolist() for x in self.seqs]
+        # (length, last token) of each sequence: a request that ends at p
+        self.ends = {(len(x), x[-1] if x else None) for x in self.lists}
+
+    def may_hold_a_lent_tail(self, index: int, k: int, block: int) -> bool:
+        """Whether the run matched to sequence ``index`` at ``k`` may end in
+        another request's served tail: rows of a sequence ``j`` of the call
+        computed from a whole block ``p >= k`` on, joined to the rows of a
+        request that ends at ``p`` because their positions follow on. Such
+        rows were computed after ``j``'s first ``p`` tokens, so they are this
+        sequence's only where ``j[:p]`` is its ``[:p]``. The run is refused if
+        some ``j`` has, at a whole block ``p`` with ``k <= p < len(j) <=
+        len(sequence)``, the same tokens from ``p`` to its end and other
+        tokens before ``p``, where ``p`` is the run's start or another
+        sequence of the call ``p`` tokens long ends with this one's token
+        ``p-1``."""
+        ids, listed = self.seqs[index], self.lists[index]
+        n = len(listed)
+        for j, other in enumerate(self.seqs):
+            m = len(self.lists[j])
+            if j == index or not k < m <= n or self.lists[j][-1] != listed[m - 1]:
+                continue  # no tail after k, or none that ends as this one does
+            differ = (other != ids[:m]).nonzero().flatten()
+            if not differ.numel():
+                continue  # j is this sequence's first m tokens: the same rows
+            same_tail = m - 1 - int(differ[-1])  # tokens equal at the end
+            first = max(k, m - same_tail, int(differ[0]) + 1)
+            for p in range(-(-first // block) * block, m, block):
+                if p == k or (p, listed[p - 1]) in self.ends:
+                    return True  # j's tail starts the run, or follows a request
+        return False
