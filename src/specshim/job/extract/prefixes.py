@@ -3,9 +3,13 @@
 Two samples share a prefix when their first full KV-cache blocks hold the same
 tokens. vLLM's prefix cache finds such blocks by a chain of hashes (each
 block's hash covers the block's tokens and its parent's hash); the plan walks
-the same chain, with the engine's own ``hash_block_tokens`` where it is given
-one, so that a block the plan calls shared is one the engine can serve from
-its cache.
+the same chain over the same blocks, so that a block the plan calls shared is
+one the engine can serve from its cache. ``extract`` hashes with SHA-256
+(``plain_block_hasher``), not vLLM's ``hash_block_tokens``: both call the same
+blocks equal (a unit test plans with each and compares), but the plan's hashes
+also key the store of captured rows for the whole run, and vLLM seeds its chain
+with a ``NONE_HASH`` drawn afresh (unless PYTHONHASHSEED is set) each time a
+block hasher is built, which would part the plan's keys from the store's.
 
 The plan:
 
