@@ -14,7 +14,8 @@ them; blocks are known by the chain hash of every token up to their end.
 ``PrefixRows`` holds the rows of earlier calls under a byte cap. Given a
 plan's ``uses`` (how many samples still share each block), it keeps a block
 only while a sample still needs it and drops it after its last; without one
-(the library path), it keeps the most recent blocks that fit.
+(the library path), it keeps the most recent blocks that fit, dropping chains
+from their ends (``offer``).
 """
 
 from __future__ import annotations
@@ -161,10 +162,7 @@ class PrefixRows:
             )
 
     def get(self, block: Hashable) -> list[Any] | None:
-        rows = self.blocks.get(block)
-        if rows is not None and self.uses is None:
-            self.blocks.move_to_end(block)
-        return rows
+        return self.blocks.get(block)  # ``offer`` marks what a call used
 
     def done(self, ids: Sequence[int], block_size: int) -> None:
         """A sample is complete: one use fewer of each block it shares."""
@@ -181,23 +179,51 @@ class PrefixRows:
                 self.uses[block] = left - 1
 
     def offer(self, ids: Sequence[int], layers: list[Any], block_size: int) -> None:
-        """Keep the blocks of a complete sequence that are still wanted."""
-        for j, block in enumerate(chain(ids, block_size)):
-            if self.uses is not None and block not in self.uses:
+        """Keep the blocks of a complete sequence that are still wanted.
+
+        Without a plan (the most recent that fit), a block is kept only with
+        the blocks before it in its chain, and a chain's blocks are marked
+        used from its last to its first: the oldest block is then always one
+        no held block follows, so the cap drops chains from their ends and
+        never holds rows that could not be served (a block is served only
+        after every block before it)."""
+        hashes = chain(ids, block_size)
+        recent = self.uses is None
+        if recent:
+            self._used(hashes)
+        for j, block in enumerate(hashes):
+            if not recent and block not in self.uses:  # type: ignore[operator]
                 break
             if block in self.blocks:
                 continue
             rows = [h[j * block_size : (j + 1) * block_size].clone() for h in layers]
             size = sum(r.numel() * r.element_size() for r in rows)
-            if self.uses is None:
-                while self.blocks and self.held_bytes + size > self.cap_bytes:
-                    self._drop(next(iter(self.blocks)))
+            if recent:
+                self._room(size, keep=set(hashes))
             if self.held_bytes + size > self.cap_bytes:
                 self.refused_bytes += size
+                if recent:
+                    break  # the blocks after it could never be served
                 continue
             self.blocks[block] = rows
             self.held_bytes += size
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        if recent:
+            self._used(hashes)
+
+    def _used(self, hashes: list[Hashable]) -> None:
+        """Mark a chain's held blocks the most recent, its first block last."""
+        for block in reversed(hashes):
+            if block in self.blocks:
+                self.blocks.move_to_end(block)
+
+    def _room(self, size: int, keep: set[Hashable]) -> None:
+        """Drop the least recent blocks, none of ``keep``, until ``size`` fits."""
+        while self.blocks and self.held_bytes + size > self.cap_bytes:
+            oldest = next(iter(self.blocks))
+            if oldest in keep:
+                return  # the chain being offered is all that is held
+            self._drop(oldest)
 
     def _drop(self, block: Hashable) -> None:
         rows = self.blocks.pop(block, None)

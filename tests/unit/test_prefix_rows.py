@@ -124,7 +124,49 @@ def test_the_cap_is_enforced():
     other = _tokens(rng, 2 * B)
     lru.offer(ids, _states(len(ids), 8), B)
     lru.offer(other, _states(len(other), 9), B)
-    assert list(lru.blocks) == chain(other, B) and lru.held_bytes <= 2 * block_bytes
+    # the newest chain, its first block the most recent
+    assert list(lru.blocks) == chain(other, B)[::-1]
+    assert lru.held_bytes <= 2 * block_bytes
+
+
+def test_a_full_store_drops_chains_from_their_ends_and_keeps_their_heads():
+    """The library path's store over its cap: a block is served only after
+    every block before it, so a held block whose parent was dropped is dead
+    weight; the store drops leaves first and so keeps the heads that the
+    next sequence of a conversation or a shared prompt is served."""
+    rng = random.Random(11)
+    block_bytes = B * 3 * 4 * LAYERS
+    prompt = _tokens(rng, 4 * B)
+    store = PrefixRows(3 * block_bytes)
+    store.offer(prompt, _states(len(prompt), 1), B)  # 4 blocks, room for 3
+    assert list(store.blocks) == chain(prompt, B)[2::-1]  # the first 3, head last
+    branch = prompt[:B] + _tokens(rng, 2 * B)  # shares the first block
+    store.offer(branch, _states(len(branch), 2), B)
+    assert set(store.blocks) == set(chain(branch, B))  # prompt's tail dropped
+    assert store.refused_bytes == block_bytes  # the 4th block of prompt, no more
+
+    # Any offers, any cap: every block held has its parent held.
+    parents: dict = {}
+    for seed in range(40):
+        rng = random.Random(seed)
+        store = PrefixRows(rng.randrange(1, 12) * block_bytes)
+        heads = [_tokens(rng, rng.randrange(1, 5) * B) for _ in range(3)]
+        for n in range(30):
+            ids = rng.choice(heads)[: rng.randrange(0, 5) * B] + _tokens(
+                rng, rng.randrange(0, 4 * B)
+            )
+            hashes = chain(ids, B)
+            parents.update(zip(hashes[1:], hashes[:-1], strict=False))
+            store.offer(ids, _states(len(ids), n), B)
+            assert store.held_bytes <= store.cap_bytes
+            orphans = [
+                b
+                for b in store.blocks
+                if b in parents and parents[b] not in store.blocks
+            ]
+            assert not orphans, (
+                f"seed {seed}, offer {n}: {len(orphans)} held without their parent"
+            )
 
 
 def test_digest_tells_sequences_apart():
