@@ -12,7 +12,7 @@ import torch
 
 from specshim._base import UsageError
 from specshim._prefix_reuse import PrefixRows, chain, default_store, digest
-from specshim.patches._transport.prefix_rows import stitch
+from specshim.patches._transport.prefix_rows import Capture, stitch
 
 B = 4  # block size
 LAYERS = 2
@@ -23,8 +23,9 @@ def _states(n: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(n, 3, generator=g) for _ in range(LAYERS)]
 
 
-def _capture(*runs: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [torch.cat([r[n] for r in runs]) for n in range(LAYERS)]
+def _capture(*pieces: list[torch.Tensor]) -> Capture:
+    """A call's capture as speculators cut it: one piece per sequence."""
+    return Capture(list(pieces))
 
 
 def _assert_own_storage(out: list[list[torch.Tensor] | None]) -> None:
@@ -76,11 +77,13 @@ def test_an_earlier_calls_rows_are_taken_from_the_store():
     store.offer(first, rows, B)
     second = prompt + _tokens(rng, 6)
     tail = _states(6, 4)
-    (out,) = stitch([second], tail, [(0, 6, 2 * B)], B, store)
+    (out,) = stitch([second], _capture(tail), [(0, 6, 2 * B)], B, store)
     assert out is not None
     for n in range(LAYERS):
         assert torch.equal(out[n], torch.cat([rows[n][: 2 * B], tail[n]]))
-    (missing,) = stitch([second], tail, [(0, 6, 2 * B)], B, PrefixRows(1 << 20))
+    (missing,) = stitch(
+        [second], _capture(tail), [(0, 6, 2 * B)], B, PrefixRows(1 << 20)
+    )
     assert missing is None
 
 
@@ -89,11 +92,15 @@ def test_a_sequence_of_whole_blocks_read_into_a_longer_run_is_complete():
     short = _tokens(rng, 2 * B)
     long = short + _tokens(rng, 5)
     rows = _states(len(long), 5)  # one run: short's rows then long's tail
-    out = stitch([short, long], rows, [None, (0, len(long), 0)], B, PrefixRows(0))
+    out = stitch(
+        [short, long], _capture(rows), [None, (0, len(long), 0)], B, PrefixRows(0)
+    )
     assert out[0] is not None
     assert all(torch.equal(out[0][n], rows[n][: 2 * B]) for n in range(LAYERS))
     odd = short + [1]  # not whole blocks: its last row is nobody's
-    out = stitch([odd, long], rows, [None, (0, len(long), 0)], B, PrefixRows(0))
+    out = stitch(
+        [odd, long], _capture(rows), [None, (0, len(long), 0)], B, PrefixRows(0)
+    )
     assert out[0] is None
 
 
@@ -201,10 +208,84 @@ def test_a_store_never_serves_rows_of_other_layers():
     ids = _tokens(rng, 2 * B)
     store = PrefixRows(1 << 20)
     found = [(0, len(ids), 0)]
-    stitch([ids], _states(len(ids), 1), found, B, store)
+    stitch([ids], _capture(_states(len(ids), 1)), found, B, store)
     wider = [torch.randn(len(ids), 5) for _ in range(LAYERS)]
     with pytest.raises(UsageError, match="give each generator a store of its own"):
-        stitch([ids], wider, found, B, store)
+        stitch([ids], _capture(wider), found, B, store)
     fewer = _states(len(ids), 2)[:1]
     with pytest.raises(UsageError, match="store of its own"):
-        stitch([ids], fewer, found, B, store)
+        stitch([ids], _capture(fewer), found, B, store)
+
+
+def _cut(stacked: list[torch.Tensor], lengths: list[int]) -> list[list[torch.Tensor]]:
+    """speculators' cut of a call's rows: by each sequence's token count, in
+    input order, whatever the cache served (the last pieces come out short
+    or empty), each piece cloned into storage of its own."""
+    pieces, at = [], 0
+    for n in lengths:
+        pieces.append([h[at : at + n].clone() for h in stacked])
+        at += n
+    return pieces
+
+
+def test_rows_are_copied_at_most_once_and_a_whole_piece_not_at_all():
+    """A sequence served nothing whose run is its piece gets that piece (the
+    slab's handed-over rows stay where they are); a run across pieces, or
+    inside one, is copied once into storage of its own."""
+    rng = random.Random(12)
+    shared = _tokens(rng, 2 * B)
+    a, b, c = shared + _tokens(rng, 3), shared + _tokens(rng, 5), _tokens(rng, 7)
+    runs = [_states(len(a), 1), _states(len(b) - 2 * B, 2), _states(len(c), 3)]
+    stacked = [torch.cat([r[n] for r in runs]) for n in range(LAYERS)]
+    capture = Capture(_cut(stacked, [len(a), len(b), len(c)]))
+    ra, rb = len(a), len(a) + len(b) - 2 * B
+    found = [(0, ra, 0), (ra, rb, 2 * B), (rb, rb + len(c), 0)]
+    out = stitch([a, b, c], capture, found, B, PrefixRows(0))
+    assert out[0] is not None and out[1] is not None and out[2] is not None
+    for n in range(LAYERS):
+        assert out[0][n].data_ptr() == capture.pieces[0][n].data_ptr()  # no copy
+        assert torch.equal(out[1][n], torch.cat([runs[0][n][: 2 * B], runs[1][n]]))
+        assert torch.equal(out[2][n], runs[2][n])  # spans b's and c's pieces
+    _assert_own_storage(out)
+    inside = capture.owned(1, 3)  # within a's piece: a copy, not a view
+    assert inside[0].data_ptr() != capture.pieces[0][0][1:].data_ptr()
+    _assert_own_storage([inside])
+
+
+def test_reading_the_cut_pieces_gives_what_reading_the_stacked_rows_gives():
+    """Over random calls of sharers (served prefixes, runs from the store,
+    whole-block sequences read into longer runs), stitching speculators' cut
+    pieces gives, row for row, what stitching the stacked capture gives."""
+    for seed in range(200):
+        rng = random.Random(seed)
+        prompts = [_tokens(rng, rng.randrange(1, 4) * B) for _ in range(3)]
+        seqs = []
+        for _ in range(rng.randrange(1, 7)):
+            head = rng.choice(prompts) if rng.random() < 0.7 else []
+            seqs.append(head + _tokens(rng, rng.randrange(0 if head else 1, 2 * B)))
+        store, twin = PrefixRows(1 << 20), PrefixRows(1 << 20)
+        if rng.random() < 0.5:
+            kept = _states(len(prompts[0]), seed + 1000)
+            store.offer(prompts[0], kept, B)
+            twin.offer(prompts[0], kept, B)
+        found, runs, at = [], [], 0
+        for i, ids in enumerate(seqs):
+            k = 0 if rng.random() < 0.4 else (len(ids) - 1) // B * B
+            if rng.random() < 0.15:
+                found.append(None)
+                continue
+            runs.append(_states(len(ids) - k, seed * 31 + i))
+            found.append((at, at + len(ids) - k, k))
+            at += len(ids) - k
+        if not runs:
+            continue
+        stacked = [torch.cat([r[n] for r in runs]) for n in range(LAYERS)]
+        want = stitch(seqs, Capture([stacked]), found, B, twin)
+        got = stitch(
+            seqs, Capture(_cut(stacked, [len(s) for s in seqs])), found, B, store
+        )
+        for x, y in zip(want, got, strict=True):
+            assert (x is None) == (y is None), seed
+            for u, v in zip(x or [], y or [], strict=True):
+                assert torch.equal(u, v), seed
+        _assert_own_storage(got)

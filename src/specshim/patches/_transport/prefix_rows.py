@@ -12,6 +12,7 @@ end.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from specshim._prefix_reuse import PrefixRows, chain
 
 def stitch(
     sequences: list[Sequence[int]],
-    stacked: list[Any],
+    capture: Capture,
     found: list[tuple[int, int, int] | None],
     block_size: int,
     store: PrefixRows,
@@ -28,26 +29,30 @@ def stitch(
     """Each sequence's rows, one tensor per layer, or None where a served block
     is found nowhere (or no run was proven for it): computed whole by the caller.
 
-    ``stacked``: the call's capture, one tensor per layer; ``found``:
-    ``match_tails``' runs, ``(start, end, k)``. A sequence of whole blocks
-    with no run of its own (its rows read as the start of a longer sequence's
-    run, which continued it in the same forward) is complete from its blocks
-    alone.
+    ``capture``: the call's captured rows; ``found``: ``match_tails``' runs,
+    ``(start, end, k)``. A sequence of whole blocks with no run of its own
+    (its rows read as the start of a longer sequence's run, which continued
+    it in the same forward) is complete from its blocks alone. Each row is
+    copied at most once: a sequence served nothing whose run is a piece of
+    the capture is that piece.
     """
-    store.bind(stacked)
+    store.bind(capture.layers)
     call = _Call(sequences, block_size, store)
     # A served block was computed by a sequence served less: fewest first.
     ran = [i for i, run in enumerate(found) if run is not None]
     for i in sorted(ran, key=lambda i: found[i][2]):  # type: ignore[index]
         start, end, k = found[i]  # type: ignore[misc]
+        if k == 0:
+            call.done(i, [], capture.owned(start, end), 0, end - start)
+            continue
         heads = call.blocks(i, k // block_size)
         if heads is not None:
-            call.done(i, heads, [h[start:end] for h in stacked], k, end - start)
+            call.done(i, heads, capture.views(start, end), k, end - start)
     for i, ids in enumerate(sequences):
         if call.out[i] is None and found[i] is None and len(ids) % block_size == 0:
             heads = call.blocks(i, len(ids) // block_size)
             if heads is not None:
-                call.done(i, heads, [], len(ids), 0)
+                call.done(i, heads, [[] for _ in capture.layers], len(ids), 0)
     return call.out
 
 
@@ -82,19 +87,76 @@ class _Call:
     def done(
         self, i: int, heads: list[list[Any]], tail: list[Any], served: int, ran: int
     ) -> None:
-        """Sequence i is its served blocks' rows, then ``tail``."""
+        """Sequence i is its served blocks' rows, then ``tail``: with heads, a
+        view per layer (or the views of the pieces it spans), copied once
+        into the sequence's own storage; without, storage of its own
+        already (``Capture.owned``)."""
         import torch
 
         if heads:
-            width = len(heads[0])
             tail = [
-                torch.cat([*(head[n] for head in heads), *tail[n : n + 1]])
-                for n in range(width)
+                torch.cat([*(head[n] for head in heads), *parts])
+                for n, parts in enumerate(tail)
             ]
-        else:  # its own storage: a view would carry the whole call's rows along
-            tail = [t.clone() for t in tail]
         self.out[i] = tail
         self.store.served_tokens += served
         self.store.computed_tokens += ran
         for j, block in enumerate(self.chains[i]):
             self.here.setdefault(block, (i, j))
+
+
+class Capture:
+    """A call's captured rows in capture order, as speculators cut them: one
+    piece a sequence, one tensor a layer, each piece its own storage (a
+    clone, or rows the slab handed over). Read by runs without first
+    stacking them: a run that is exactly a piece is that piece (no copy),
+    any other is copied once, out of the pieces it spans.
+
+    speculators cuts by each sequence's length in tokens, so once the cache
+    has served a sequence's first rows the pieces no longer fall on the
+    runs; with nothing served (and the workers' rows in input order) every
+    run is a piece."""
+
+    def __init__(self, pieces: list[list[Any]]) -> None:
+        self.pieces = [p for p in pieces if p and p[0].shape[0]]
+        self.layers = pieces[0] if pieces else []
+        self.starts: list[int] = []
+        total = 0
+        for piece in self.pieces:
+            self.starts.append(total)
+            total += piece[0].shape[0]
+        self.rows = total
+
+    def views(self, start: int, end: int) -> list[list[Any]]:
+        """Rows ``[start, end)``: per layer, views of the pieces they span."""
+        out: list[list[Any]] = [[] for _ in self.layers]
+        at = max(bisect.bisect_right(self.starts, start) - 1, 0)
+        while start < end and at < len(self.pieces):
+            first = self.starts[at]
+            stop = min(end, first + self.pieces[at][0].shape[0])
+            if stop > start:
+                for n, layer in enumerate(self.pieces[at]):
+                    out[n].append(layer[start - first : stop - first])
+                start = stop
+            at += 1
+        if start < end:
+            raise ValueError(f"rows {start} to {end} of {self.rows} captured")
+        return out
+
+    def owned(self, start: int, end: int) -> list[Any]:
+        """Rows ``[start, end)`` per layer in storage of their own: the piece
+        itself where the run is one, else a copy (a view would carry the
+        whole piece along: torch.save writes a view's whole storage)."""
+        at = bisect.bisect_left(self.starts, start)
+        if (
+            at < len(self.pieces)
+            and self.starts[at] == start
+            and self.pieces[at][0].shape[0] == end - start
+        ):
+            return list(self.pieces[at])
+        import torch
+
+        return [
+            parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+            for parts in self.views(start, end)
+        ]

@@ -52,7 +52,7 @@ from specshim._base import SpecShimError
 from specshim._prefix_reuse import digest, prefix_store, reuse_block
 from specshim._types import NotNeeded
 from specshim.patches._declare import declare
-from specshim.patches._transport.prefix_rows import stitch
+from specshim.patches._transport.prefix_rows import Capture, stitch
 from specshim.patches._transport.rows import CAUSES, match_runs, match_tails
 from specshim.patches._transport.threads import lent_threads
 from specshim.patches.main import request_args
@@ -321,8 +321,6 @@ def _stitched(
     """``generate()`` with prefix caching on: each sequence's served rows put
     back from where they were computed (``prefix_rows``), or the sequence
     computed whole where they cannot be; only proven rows are returned."""
-    import torch
-
     store = prefix_store(self)
     salted = {i for i, ids in enumerate(sequences) if digest(ids) in store.whole}
     results, record = _call(self, original, token_ids, sequences, salted)
@@ -330,18 +328,16 @@ def _stitched(
     found, _, _ = match_tails(sequences, ids, positions, rows, block)
     # Runs no sequence owns, and sequences whose tail another head shares,
     # are in no ``found`` entry: their rows are never used.
-    width = len(results[0]["hidden_states"])
-    stacked = [
-        torch.cat([r["hidden_states"][n] for r in results]) for n in range(width)
-    ]
-    if stacked[0].shape[0] != sum(rows):
+    capture = Capture([r["hidden_states"] for r in results])
+    if capture.rows != sum(rows):
         raise SpecShimError(
-            f"speculators returned {stacked[0].shape[0]} rows where the workers "
+            f"speculators returned {capture.rows} rows where the workers "
             f"recorded {sum(rows)}"
         )
     for result in results:
-        result["hidden_states"] = None  # the slab's rows, let go before more work
-    complete = stitch(sequences, stacked, found, block, store)
+        result["hidden_states"] = None  # the capture's alone: pieces unused go
+    complete = stitch(sequences, capture, found, block, store)
+    del capture
     missing = [i for i, states in enumerate(complete) if states is None]
     if missing:
         again = _whole(self, original, [sequences[i] for i in missing])
