@@ -13,8 +13,10 @@ clones, so nothing contends: ``generate-guard`` lends the clones up to
 Since then ``state-transport`` hands those clones the rows they ask for
 instead of copying them (``patches/_transport/handed_states.py``); the threads
 still serve the paths that copy: the states pickled through the RPC queue
-(``SPECSHIM_DISABLE=state-transport``) and the guard's re-slicing where the
-workers cannot order rows.
+(``SPECSHIM_DISABLE=state-transport``), the guard's re-slicing where the
+workers cannot order rows, and, with the prefix cache on, the copies that put
+served rows back in front of computed ones (``prefix_rows.stitch``), which run
+after speculators' call returns and so borrow the threads again.
 """
 
 from __future__ import annotations

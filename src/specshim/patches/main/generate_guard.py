@@ -336,7 +336,8 @@ def _stitched(
         )
     for result in results:
         result["hidden_states"] = None  # the capture's alone: pieces unused go
-    complete = stitch(sequences, capture, found, block, store)
+    with lent_threads():  # vLLM left this process one thread; the copies want more
+        complete = stitch(sequences, capture, found, block, store)
     del capture
     missing = [i for i, states in enumerate(complete) if states is None]
     if missing:
@@ -355,8 +356,9 @@ def _stitched(
         result["hidden_states"] = states
     for ids in sequences:
         store.done(ids, block)
-    for ids, states in zip(sequences, complete, strict=True):
-        store.offer(ids, states, block)  # type: ignore[arg-type]
+    with lent_threads():
+        for ids, states in zip(sequences, complete, strict=True):
+            store.offer(ids, states, block)  # type: ignore[arg-type]
     return results
 
 
