@@ -164,11 +164,14 @@ class PrefixRows:
     def get(self, block: Hashable) -> list[Any] | None:
         return self.blocks.get(block)  # ``offer`` marks what a call used
 
-    def done(self, ids: Sequence[int], block_size: int) -> None:
-        """A sample is complete: one use fewer of each block it shares."""
+    def done(
+        self, ids: Sequence[int], block_size: int, hashes: list[Hashable] | None = None
+    ) -> None:
+        """A sample is complete: one use fewer of each block it shares
+        (``hashes``: ``chain(ids, block_size)``, where the caller has it)."""
         if self.uses is None:
             return
-        for block in chain(ids, block_size):
+        for block in chain(ids, block_size) if hashes is None else hashes:
             left = self.uses.get(block)
             if left is None:
                 break  # the shared blocks lead a chain
@@ -178,7 +181,13 @@ class PrefixRows:
             else:
                 self.uses[block] = left - 1
 
-    def offer(self, ids: Sequence[int], layers: list[Any], block_size: int) -> None:
+    def offer(
+        self,
+        ids: Sequence[int],
+        layers: list[Any],
+        block_size: int,
+        hashes: list[Hashable] | None = None,
+    ) -> None:
         """Keep the blocks of a complete sequence that are still wanted.
 
         Without a plan (the most recent that fit), a block is kept only with
@@ -187,7 +196,8 @@ class PrefixRows:
         no held block follows, so the cap drops chains from their ends and
         never holds rows that could not be served (a block is served only
         after every block before it)."""
-        hashes = chain(ids, block_size)
+        if hashes is None:
+            hashes = chain(ids, block_size)
         recent = self.uses is None
         if recent:
             self._used(hashes)

@@ -25,19 +25,21 @@ def stitch(
     found: list[tuple[int, int, int] | None],
     block_size: int,
     store: PrefixRows,
+    chains: list[list[Hashable]] | None = None,
 ) -> list[list[Any] | None]:
     """Each sequence's rows, one tensor per layer, or None where a served block
     is found nowhere (or no run was proven for it): computed whole by the caller.
 
     ``capture``: the call's captured rows; ``found``: ``match_tails``' runs,
-    ``(start, end, k)``. A sequence of whole blocks with no run of its own
+    ``(start, end, k)``; ``chains``: each sequence's ``chain``, where the
+    caller has them. A sequence of whole blocks with no run of its own
     (its rows read as the start of a longer sequence's run, which continued
     it in the same forward) is complete from its blocks alone. Each row is
     copied at most once: a sequence served nothing whose run is a piece of
     the capture is that piece.
     """
     store.bind(capture.layers)
-    call = _Call(sequences, block_size, store)
+    call = _Call(sequences, block_size, store, chains)
     # A served block was computed by a sequence served less: fewest first.
     ran = [i for i, run in enumerate(found) if run is not None]
     for i in sorted(ran, key=lambda i: found[i][2]):  # type: ignore[index]
@@ -61,10 +63,14 @@ class _Call:
     are: in a sequence of the call, else in the store."""
 
     def __init__(
-        self, sequences: list[Sequence[int]], block_size: int, store: PrefixRows
+        self,
+        sequences: list[Sequence[int]],
+        block_size: int,
+        store: PrefixRows,
+        chains: list[list[Hashable]] | None,
     ) -> None:
         self.block, self.store = block_size, store
-        self.chains = [chain(ids, block_size) for ids in sequences]
+        self.chains = chains or [chain(ids, block_size) for ids in sequences]
         self.out: list[list[Any] | None] = [None] * len(sequences)
         self.here: dict[Hashable, tuple[int, int]] = {}  # block -> (sequence, j)
 

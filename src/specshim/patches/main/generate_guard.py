@@ -49,7 +49,7 @@ import re
 from typing import Any
 
 from specshim._base import SpecShimError
-from specshim._prefix_reuse import digest, prefix_store, reuse_block
+from specshim._prefix_reuse import chain, digest, prefix_store, reuse_block
 from specshim._types import NotNeeded
 from specshim.patches._declare import declare
 from specshim.patches._transport.prefix_rows import Capture, stitch
@@ -336,8 +336,9 @@ def _stitched(
         )
     for result in results:
         result["hidden_states"] = None  # the capture's alone: pieces unused go
+    chains = [chain(ids, block) for ids in sequences]  # hashed once a call
     with lent_threads():  # vLLM left this process one thread; the copies want more
-        complete = stitch(sequences, capture, found, block, store)
+        complete = stitch(sequences, capture, found, block, store, chains)
     del capture
     missing = [i for i, states in enumerate(complete) if states is None]
     if missing:
@@ -354,11 +355,11 @@ def _stitched(
                 f"{states[0].shape[0]} rows after its cached rows were put back"
             )
         result["hidden_states"] = states
-    for ids in sequences:
-        store.done(ids, block)
+    for ids, hashes in zip(sequences, chains, strict=True):
+        store.done(ids, block, hashes)
     with lent_threads():
-        for ids, states in zip(sequences, complete, strict=True):
-            store.offer(ids, states, block)  # type: ignore[arg-type]
+        for ids, states, hashes in zip(sequences, complete, chains, strict=True):
+            store.offer(ids, states, block, hashes)  # type: ignore[arg-type]
     return results
 
 
