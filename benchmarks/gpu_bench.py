@@ -154,7 +154,9 @@ def _parser() -> argparse.ArgumentParser:
         "--profile",
         type=int,
         default=0,
-        help="after the timed run, profile this many batches of generate()",
+        help="after the timed run, profile this many batches of generate(); "
+        "for --parts reuse, any number: one more run with the flag a data set "
+        "under cProfile",
     )
     parser.add_argument(
         "--worker-profile",

@@ -23,6 +23,7 @@ from typing import Any
 
 from gpu_models import DUMMY_WEIGHTS, MODELS, build_model, state_bytes_per_token
 from gpu_profiles import profiled, worker_profiled
+from plan import extract_timing
 
 MAX_MODEL_LEN = 2048
 BATCH = 32
@@ -220,13 +221,6 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
     return found
 
 
-_TIMING = re.compile(
-    r"of ([\d.]+) s after the first generate\(\): generate\(\) ([\d.]+) s, handing "
-    r"batches to the writer ([\d.]+) s; the writer waited for batches ([\d.]+) s, "
-    r"for its (\d+) threads' files ([\d.]+) s, and committed ([\d.]+) s"
-)
-
-
 def part_extract(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
     """``specshim extract`` end to end; its own rate (from the first
     generate()) and its closing line of where the time went."""
@@ -263,11 +257,9 @@ def part_extract(args: argparse.Namespace, data: list[list[int]]) -> dict[str, A
     budget = re.search(r"max_batched_tokens=(\d+) \(([^)]*)\)", done.stderr)
     if budget:  # the step budget in force, and where it came from
         found["max_batched_tokens"] = [int(budget.group(1)), budget.group(2)]
-    timing = _TIMING.search(done.stderr)
+    timing = extract_timing(done.stderr)
     if timing:
-        keys = ("total", "generate", "handing", "writer_idle", "threads")
-        keys += ("writer_serializing", "writer_committing")
-        found["timing"] = dict(zip(keys, map(float, timing.groups()), strict=True))
+        found["timing"] = timing
     return found
 
 
@@ -318,7 +310,9 @@ REUSE_SAMPLES = 256  # a data set's two runs' files fit the lent host's disk
 def part_reuse(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
     """Issue 47's three data sets (``reuse_bench.py``) on this model's
     checkpoint: ``extract --reuse-prefixes`` against ``extract``, one run a
-    side (engine starts are dear on a lent host), files compared."""
+    side (engine starts are dear on a lent host), files compared; with
+    ``--profile``, one more run with the flag a data set under cProfile
+    (nine engine starts: give the part a call of its own)."""
     if args.model in DUMMY_WEIGHTS:
         raise RuntimeError("reuse runs extract on a checkpoint with weights")
     name = label("reuse") + f"-{args.model}"
@@ -328,6 +322,7 @@ def part_reuse(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any
         *("--layers", ",".join(str(k) for k in MODELS[args.model][2])),
         *("--samples", str(REUSE_SAMPLES), "--results", str(args.results)),
         *("--name", name),
+        *(["--profile"] if args.profile else []),
     ]
     done = subprocess.run(command, capture_output=True, text=True)
     (args.results / f"{name}.bench.log").write_text(done.stdout + done.stderr)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "benchmarks"
@@ -84,3 +86,29 @@ def tuned_label(point: tuple[int, int, float, int]) -> str:
         f"specshim + speculators 0.3.0, tuned ({seqs} seqs / "
         f"{tokens:,} tokens a step, KV {fraction}, {batch} per call)"
     )
+
+
+# extract's closing line on where its time went (``command._counts``).
+_TIMING = re.compile(
+    r"of ([\d.]+) s after the first generate\(\): generate\(\) ([\d.]+) s, handing "
+    r"batches to the writer ([\d.]+) s; the writer waited for batches ([\d.]+) s, "
+    r"for its (\d+) threads' files ([\d.]+) s, and committed ([\d.]+) s"
+)
+TIMING_KEYS = (
+    "total",
+    "generate",
+    "handing",
+    "writer_idle",
+    "threads",
+    "writer_serializing",
+    "writer_committing",
+)
+
+
+def extract_timing(log: str) -> dict[str, Any] | None:
+    """Where an ``extract`` run's time went, from its log; None without the
+    line."""
+    found = _TIMING.search(log)
+    if not found:
+        return None
+    return dict(zip(TIMING_KEYS, map(float, found.groups()), strict=True))

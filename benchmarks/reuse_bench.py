@@ -47,7 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plan import HERE, LAYERS, RUN_ENV  # noqa: E402
+from plan import HERE, LAYERS, RUN_ENV, extract_timing  # noqa: E402
 
 MAX_MODEL_LEN = 2048
 BATCH = 32
@@ -82,10 +82,20 @@ def _env(cpu: bool) -> dict[str, str]:
     return {**os.environ, **(RUN_ENV if cpu else {}), "PYTHONUNBUFFERED": "1"}
 
 
-def run(args: argparse.Namespace, data: Path, out: Path, reuse: bool) -> dict[str, Any]:
-    """One ``extract`` process: its rate, samples/s and what reuse served."""
+def run(
+    args: argparse.Namespace,
+    data: Path,
+    out: Path,
+    reuse: bool,
+    profile: Path | None = None,
+) -> dict[str, Any]:
+    """One ``extract`` process: its rate, samples/s, what reuse served and
+    where its time went (``profile``: under cProfile, the stats written
+    there)."""
     shutil.rmtree(out, ignore_errors=True)
-    command = [sys.executable, "-m", "specshim", "extract"]
+    command = [sys.executable]
+    command += ["-m", "cProfile", "-o", str(profile)] if profile else []
+    command += ["-m", "specshim", "extract"]
     command += ["--model", str(args.model_dir), "--data", str(data)]
     command += ["--out", str(out), "--layers", args.layers]
     command += ["--max-model-len", str(MAX_MODEL_LEN), "--batch-size", str(BATCH)]
@@ -106,7 +116,40 @@ def run(args: argparse.Namespace, data: Path, out: Path, reuse: bool) -> dict[st
     served = re.search(r"prefix reuse served (\d+) of (\d+) tokens", done.stderr)
     if served:
         found["served_tokens"] = int(served.group(1))
+    timing = extract_timing(done.stderr)
+    if timing:
+        found["timing"] = timing
     return found
+
+
+def where(found: dict[str, Any]) -> str:
+    """A run's time, as extract's closing line splits it."""
+    t = found.get("timing")
+    if not t:
+        return "no timing line"
+    return (
+        f"{t['total']:.1f} s after the first generate(): generate() "
+        f"{t['generate']:.1f} s, writer waited {t['writer_idle']:.1f} s, "
+        f"serialized {t['writer_serializing']:.1f} s, committed "
+        f"{t['writer_committing']:.1f} s"
+    )
+
+
+def profiled(args: argparse.Namespace, kind: str, data: Path, work: Path) -> None:
+    """One more run with the flag, under cProfile: the main process's 30
+    costliest functions by their own time (waiting on the engine's queue
+    among them, as it is the pace the GPU sets) into
+    ``RESULTS/NAME-KIND.profile.txt``."""
+    import pstats
+
+    stats = work / f"{kind}.prof"
+    found = run(args, data, work / "out-profile", True, profile=stats)
+    shutil.rmtree(work / "out-profile", ignore_errors=True)
+    text = args.results / f"{args.name}-{kind}.profile.txt"
+    with text.open("w") as sink:
+        sink.write(f"{found['line']}\n{where(found)}\n\n")
+        pstats.Stats(str(stats), stream=sink).sort_stats("tottime").print_stats(30)
+    log(f"{kind}: the main process's profile of a run with the flag: {text}")
 
 
 def compare(plain: Path, reused: Path, samples: int) -> dict[str, Any]:
@@ -153,10 +196,13 @@ def measure(args: argparse.Namespace, kind: str, work: Path) -> dict[str, Any]:
             found = run(args, data, out, reuse)
             runs[reuse].append(found)
             log(f"{kind} {block + 1}/{args.rounds} reuse={reuse}: {found['line']}")
+            log(f"{kind} {block + 1}/{args.rounds} reuse={reuse}: {where(found)}")
         if block == 0:  # each side's last files of the block
             agreement = compare(work / "out-0", work / "out-1", len(seqs))
     for reuse in (False, True):
         shutil.rmtree(work / f"out-{int(reuse)}", ignore_errors=True)
+    if args.profile:
+        profiled(args, kind, data, work)
     without = statistics.median(r["samples_per_second"] for r in runs[False])
     with_ = statistics.median(r["samples_per_second"] for r in runs[True])
     return {
@@ -216,6 +262,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", default=",".join(map(str, LAYERS)))
     parser.add_argument("--results", type=Path, default=HERE / "results")
     parser.add_argument("--name", default="reuse")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each data set's runs, one more with the flag under cProfile "
+        "(RESULTS/NAME-KIND.profile.txt)",
+    )
     return parser.parse_args()
 
 

@@ -51,3 +51,34 @@ def test_bench_gpu_says_what_reuse_gained_and_what_the_profile_counted(bench):
     )
     assert "16 forward steps, 8,100 tokens in the largest" in text
     assert "speculators' KV cache holds 32,768 tokens" in text
+
+
+def test_the_benches_read_where_extracts_time_went_from_its_own_line(bench, caplog):
+    """bench-gpu's extract part and bench-reuse's runs parse extract's closing
+    timing line: the line as ``_Pipeline._counts`` logs it, not a copy."""
+    import logging
+    from types import SimpleNamespace
+
+    from specshim.job.extract.command import _Pipeline
+
+    writer = SimpleNamespace(
+        written=3, tokens=30, idle=2.5, threads=8, serializing=0.25, committing=0.5
+    )
+    pipeline = SimpleNamespace(
+        began=0.0, ended=10.0, first_generate=2.0, generating=6.5, handing=0.25
+    )
+    with caplog.at_level(logging.INFO, logger="specshim.job.extract.command"):
+        _Pipeline._counts(pipeline, writer)
+    timing = bench("plan").extract_timing(caplog.text)
+    assert timing == {
+        "total": 8.0,
+        "generate": 6.5,
+        "handing": 0.2,  # the line rounds to tenths
+        "writer_idle": 2.5,
+        "threads": 8.0,
+        "writer_serializing": 0.2,
+        "writer_committing": 0.5,
+    }
+    assert bench("plan").extract_timing("extract: wrote 3 samples") is None
+    where = bench("reuse_bench").where({"timing": timing})
+    assert where.startswith("8.0 s after the first generate(): generate() 6.5 s")
