@@ -268,14 +268,18 @@ def test_reading_the_cut_pieces_gives_what_reading_the_stacked_rows_gives():
             kept = _states(len(prompts[0]), seed + 1000)
             store.offer(prompts[0], kept, B)
             twin.offer(prompts[0], kept, B)
-        found, runs, at = [], [], 0
-        for i, ids in enumerate(seqs):
+        found: list = [None] * len(seqs)
+        runs, at = [], 0
+        order = list(range(len(seqs)))
+        if seed % 2:  # the capture's order, not the input's (V2 runner)
+            rng.shuffle(order)
+        for i in order:
+            ids = seqs[i]
             k = 0 if rng.random() < 0.4 else (len(ids) - 1) // B * B
             if rng.random() < 0.15:
-                found.append(None)
                 continue
             runs.append(_states(len(ids) - k, seed * 31 + i))
-            found.append((at, at + len(ids) - k, k))
+            found[i] = (at, at + len(ids) - k, k)
             at += len(ids) - k
         if not runs:
             continue
@@ -289,3 +293,44 @@ def test_reading_the_cut_pieces_gives_what_reading_the_stacked_rows_gives():
             for u, v in zip(x or [], y or [], strict=True):
                 assert torch.equal(u, v), seed
         _assert_own_storage(got)
+
+
+def test_what_stitch_returns_is_each_sequences_alone():
+    """Writing into one sequence's returned rows changes no other sequence's
+    rows and no block the store keeps; no two returned tensors share memory;
+    and a piece that is a view of a larger tensor is copied, never handed
+    out (torch.save would write the whole tensor under it)."""
+    rng = random.Random(13)
+    shared = _tokens(rng, 2 * B)
+    a, b, c = shared + _tokens(rng, 3), shared + _tokens(rng, 5), _tokens(rng, 2 * B)
+    runs = [_states(len(a), 1), _states(len(b) - 2 * B, 2), _states(len(c), 3)]
+    lengths = [len(a), len(b) - 2 * B, len(c)]
+    stacked = [torch.cat([r[n] for r in runs]) for n in range(LAYERS)]
+    ra, rb = len(a), len(a) + lengths[1]
+    found = [(0, ra, 0), (ra, rb, 2 * B), (rb, rb + len(c), 0)]
+    as_views, at = [], 0  # pieces that view one tensor: storage not their own
+    for n in lengths:
+        as_views.append([h[at : at + n] for h in stacked])
+        at += n
+    for pieces in (_cut(stacked, [len(a), len(b), len(c)]), as_views):
+        store = PrefixRows(1 << 20)
+        out = stitch([a, b, c], Capture(pieces), found, B, store)
+        assert all(states is not None for states in out)
+        _assert_own_storage(out)
+        pointers = [t.data_ptr() for states in out for t in states or []]
+        assert len(set(pointers)) == len(pointers)
+        for ids, states in zip([a, b, c], out, strict=True):
+            store.offer(ids, states, B)  # type: ignore[arg-type]
+        kept = {k: [t.clone() for t in v] for k, v in store.blocks.items()}
+        before = [[t.clone() for t in states or []] for states in out]
+        for t in out[0] or []:
+            t.fill_(7.0)  # the caller writes into a's rows
+        for states, old in zip(out[1:], before[1:], strict=True):
+            assert all(
+                torch.equal(t, u) for t, u in zip(states or [], old, strict=True)
+            )
+        for block, rows in store.blocks.items():
+            assert all(
+                torch.equal(t, u) for t, u in zip(rows, kept[block], strict=True)
+            )
+        assert all(torch.equal(t, stacked[n][rb:]) for n, t in enumerate(out[2] or []))

@@ -34,9 +34,11 @@ def stitch(
     ``(start, end, k)``; ``chains``: each sequence's ``chain``, where the
     caller has them. A sequence of whole blocks with no run of its own
     (its rows read as the start of a longer sequence's run, which continued
-    it in the same forward) is complete from its blocks alone. Each row is
-    copied at most once: a sequence served nothing whose run is a piece of
-    the capture is that piece.
+    it in the same forward) is complete from its blocks alone. Each captured
+    row is copied at most once into the sequence that ran it (a sequence
+    served nothing whose run is a whole piece of the capture is that piece);
+    rows of a shared block are copied again into each sequence served it, and
+    into the store.
     """
     store.bind(capture.layers)
     call = _Call(sequences, block_size, store, chains)
@@ -113,10 +115,13 @@ class _Call:
 
 class Capture:
     """A call's captured rows in capture order, as speculators cut them: one
-    piece a sequence, one tensor a layer, each piece its own storage (a
-    clone, or rows the slab handed over). Read by runs without first
-    stacking them: a run that is exactly a piece is that piece (no copy),
-    any other is copied once, out of the pieces it spans.
+    piece a sequence, one tensor a layer. Read by runs without first
+    stacking them: a run that is exactly a piece, and a piece that is
+    storage of its own, is that piece (no copy); any other is copied once,
+    out of the pieces it spans. speculators 0.3.0 clones every piece
+    (``h[a:b].clone().cpu()``; with ``state-transport`` the clone takes the
+    slab's rows, which the caller then holds alone), so a piece is its own
+    storage; ``owned`` checks rather than assumes it.
 
     speculators cuts by each sequence's length in tokens, so once the cache
     has served a sequence's first rows the pieces no longer fall on the
@@ -125,7 +130,7 @@ class Capture:
 
     def __init__(self, pieces: list[list[Any]]) -> None:
         self.pieces = [p for p in pieces if p and p[0].shape[0]]
-        self.layers = pieces[0] if pieces else []
+        self.layers = self.pieces[0] if self.pieces else (pieces[0] if pieces else [])
         self.starts: list[int] = []
         total = 0
         for piece in self.pieces:
@@ -158,6 +163,7 @@ class Capture:
             at < len(self.pieces)
             and self.starts[at] == start
             and self.pieces[at][0].shape[0] == end - start
+            and all(map(_alone, self.pieces[at]))
         ):
             return list(self.pieces[at])
         import torch
@@ -166,3 +172,14 @@ class Capture:
             parts[0].clone() if len(parts) == 1 else torch.cat(parts)
             for parts in self.views(start, end)
         ]
+
+
+def _alone(tensor: Any) -> bool:
+    """Whether ``tensor`` is all of its storage (no view of a larger one)."""
+    return (
+        tensor.storage_offset() == 0
+        and tensor.is_contiguous()
+        and (
+            tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+        )
+    )

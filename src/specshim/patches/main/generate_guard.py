@@ -334,8 +334,13 @@ def _stitched(
             f"speculators returned {capture.rows} rows where the workers "
             f"recorded {sum(rows)}"
         )
+    # A sequence served nothing keeps its piece (on the slab path, the slab's
+    # rows, as without the cache), so the slab stays held while the caller
+    # holds that piece, through ``_whole`` below too (which then takes
+    # another slab, as any call does while results are held); the pieces no
+    # sequence keeps go with ``capture``.
     for result in results:
-        result["hidden_states"] = None  # the capture's alone: pieces unused go
+        result["hidden_states"] = None
     chains = [chain(ids, block) for ids in sequences]  # hashed once a call
     with lent_threads():  # vLLM left this process one thread; the copies want more
         complete = stitch(sequences, capture, found, block, store, chains)
