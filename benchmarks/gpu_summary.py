@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_models import MODELS, state_bytes_per_token
+from plan import timing_sentence
 
 _PEERS = ("native", "prefill")
 
@@ -191,14 +192,7 @@ def _notes(name: str, s: dict[str, Any]) -> list[str]:
             + json.dumps(s.get("settings", {}))
         )
     for label, timing in (s.get("extract_timing") or {}).items():
-        notes.append(
-            f"- {name}: of {label}'s {timing['total']} s, generate() took "
-            f"{timing['generate']} s and handing batches to the writer "
-            f"{timing['handing']} s; the writer waited "
-            f"{timing['writer_serializing']} s for its {int(timing['threads'])} "
-            f"threads' files, committed {timing['writer_committing']} s and "
-            f"waited for batches {timing['writer_idle']} s."
-        )
+        notes.append(f"- {name}: {timing_sentence(label, timing)}.")
     notes += _step_notes(name, s) + _thread_notes(name, s) + _batch_notes(name, s)
     notes += _profile_notes(name, s) + _reuse_notes(name, s)
     met = s.get("targets") or {}

@@ -112,3 +112,15 @@ def extract_timing(log: str) -> dict[str, Any] | None:
     if not found:
         return None
     return dict(zip(TIMING_KEYS, map(float, found.groups()), strict=True))
+
+
+def timing_sentence(label: str, timing: dict[str, Any]) -> str:
+    """``extract_timing``'s figures as the notes say them."""
+    return (
+        f"of {label}'s {timing['total']} s, generate() took "
+        f"{timing['generate']} s and handing batches to the writer "
+        f"{timing['handing']} s; the writer waited "
+        f"{timing['writer_serializing']} s for its {int(timing['threads'])} "
+        f"threads' files, committed {timing['writer_committing']} s and "
+        f"waited for batches {timing['writer_idle']} s"
+    )

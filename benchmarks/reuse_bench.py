@@ -47,7 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plan import HERE, LAYERS, RUN_ENV, extract_timing  # noqa: E402
+from plan import HERE, LAYERS, RUN_ENV, extract_timing, timing_sentence  # noqa: E402
 
 MAX_MODEL_LEN = 2048
 BATCH = 32
@@ -124,15 +124,8 @@ def run(
 
 def where(found: dict[str, Any]) -> str:
     """A run's time, as extract's closing line splits it."""
-    t = found.get("timing")
-    if not t:
-        return "no timing line"
-    return (
-        f"{t['total']:.1f} s after the first generate(): generate() "
-        f"{t['generate']:.1f} s, writer waited {t['writer_idle']:.1f} s, "
-        f"serialized {t['writer_serializing']:.1f} s, committed "
-        f"{t['writer_committing']:.1f} s"
-    )
+    timing = found.get("timing")
+    return timing_sentence("extract", timing) if timing else "no timing line"
 
 
 def profiled(args: argparse.Namespace, kind: str, data: Path, work: Path) -> None:

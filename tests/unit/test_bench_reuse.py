@@ -81,4 +81,4 @@ def test_the_benches_read_where_extracts_time_went_from_its_own_line(bench, capl
     }
     assert bench("plan").extract_timing("extract: wrote 3 samples") is None
     where = bench("reuse_bench").where({"timing": timing})
-    assert where.startswith("8.0 s after the first generate(): generate() 6.5 s")
+    assert where.startswith("of extract's 8.0 s, generate() took 6.5 s")
