@@ -17,6 +17,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from specshim._prefix_reuse import PrefixRows, chain
+from specshim.patches._transport.threads import lent_threads
 
 
 def stitch(
@@ -58,6 +59,23 @@ def stitch(
             if heads is not None:
                 call.done(i, heads, [[] for _ in capture.layers], len(ids), 0)
     return call.out
+
+
+def keep(
+    sequences: list[Sequence[int]],
+    complete: list[list[Any]],
+    block_size: int,
+    store: PrefixRows,
+    chains: list[list[Hashable]],
+) -> None:
+    """A call's sequences are complete: each is one use fewer of the blocks it
+    shares, then the store keeps the blocks still wanted (copied on the
+    threads vLLM leaves this process none of)."""
+    for ids, hashes in zip(sequences, chains, strict=True):
+        store.done(ids, block_size, hashes)
+    with lent_threads():
+        for ids, states, hashes in zip(sequences, complete, chains, strict=True):
+            store.offer(ids, states, block_size, hashes)
 
 
 class _Call:

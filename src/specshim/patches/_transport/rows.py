@@ -206,3 +206,44 @@ class _Lenders:
                 if p == k or (p, listed[p - 1]) in self.ends:
                     return True  # j's tail starts the run, or follows a request
         return False
+
+
+def checked_record(record: dict[str, Any]) -> tuple[Any, Any, list[int]]:
+    """The record's token ids, positions and rows per forward, once they add up."""
+    problems = record.get("problems") or []
+    if problems:
+        raise SpecShimError(
+            f"{len(problems)} captured forward(s) have no provable rows: "
+            f"{problems[0]}. " + CAUSES
+        )
+    token_ids, positions = record["token_ids"], record["positions"]
+    rows = [int(n) for n in record["rows"]]
+    if not (token_ids.numel() == positions.numel() == sum(rows)):
+        raise SpecShimError(
+            f"the workers recorded {token_ids.numel()} token ids and "
+            f"{positions.numel()} positions for {sum(rows)} captured rows"
+        )
+    return token_ids, positions, rows
+
+
+def misalignment(missing: list[int], strays: int, total: int) -> SpecShimError:
+    """The error for sequences without rows and rows without a sequence."""
+    detail = []
+    if missing:
+        shown = ", ".join(str(i) for i in missing[:8])
+        more = " ..." if len(missing) > 8 else ""
+        detail.append(
+            f"no rows computed for sequence(s) {shown}{more} "
+            f"({len(missing)} of {total})"
+        )
+    if strays:
+        detail.append(
+            f"{strays} run(s) of captured rows belong to no input sequence "
+            "(duplicated, padded or foreign rows)"
+        )
+    return SpecShimError(
+        "hidden states do not line up with the input sequences: "
+        + "; ".join(detail)
+        + ". Returning them would misalign training data. "
+        + CAUSES
+    )

@@ -52,8 +52,14 @@ from specshim._base import SpecShimError
 from specshim._prefix_reuse import chain, digest, prefix_store, reuse_block
 from specshim._types import NotNeeded
 from specshim.patches._declare import declare
-from specshim.patches._transport.prefix_rows import Capture, stitch
-from specshim.patches._transport.rows import CAUSES, match_runs, match_tails
+from specshim.patches._transport.prefix_rows import Capture, keep, stitch
+from specshim.patches._transport.rows import (
+    CAUSES,
+    checked_record,
+    match_runs,
+    match_tails,
+    misalignment,
+)
 from specshim.patches._transport.threads import lent_threads
 from specshim.patches.main import request_args
 
@@ -108,53 +114,12 @@ def prove_rows(sequences: list[Any], record: dict[str, Any]) -> list[int]:
     Returns the first captured row of each sequence; raises ``SpecShimError``
     naming what is missing, duplicated or unprovable.
     """
-    token_ids, positions, rows = _checked_record(record)
+    token_ids, positions, rows = checked_record(record)
     found, strays = match_runs(sequences, token_ids, positions, rows)
     missing = [i for i, run in enumerate(found) if run is None]
     if missing or strays:
-        raise _misalignment(missing, len(strays), len(sequences))
+        raise misalignment(missing, len(strays), len(sequences))
     return [run[0] for run in found if run is not None]
-
-
-def _checked_record(record: dict[str, Any]) -> tuple[Any, Any, list[int]]:
-    """The record's token ids, positions and rows per forward, once they add up."""
-    problems = record.get("problems") or []
-    if problems:
-        raise SpecShimError(
-            f"{len(problems)} captured forward(s) have no provable rows: "
-            f"{problems[0]}. " + CAUSES
-        )
-    token_ids, positions = record["token_ids"], record["positions"]
-    rows = [int(n) for n in record["rows"]]
-    if not (token_ids.numel() == positions.numel() == sum(rows)):
-        raise SpecShimError(
-            f"the workers recorded {token_ids.numel()} token ids and "
-            f"{positions.numel()} positions for {sum(rows)} captured rows"
-        )
-    return token_ids, positions, rows
-
-
-def _misalignment(missing: list[int], strays: int, total: int) -> SpecShimError:
-    """The error for sequences without rows and rows without a sequence."""
-    detail = []
-    if missing:
-        shown = ", ".join(str(i) for i in missing[:8])
-        more = " ..." if len(missing) > 8 else ""
-        detail.append(
-            f"no rows computed for sequence(s) {shown}{more} "
-            f"({len(missing)} of {total})"
-        )
-    if strays:
-        detail.append(
-            f"{strays} run(s) of captured rows belong to no input sequence "
-            "(duplicated, padded or foreign rows)"
-        )
-    return SpecShimError(
-        "hidden states do not line up with the input sequences: "
-        + "; ".join(detail)
-        + ". Returning them would misalign training data. "
-        + CAUSES
-    )
 
 
 def reorder(
@@ -324,7 +289,7 @@ def _stitched(
     store = prefix_store(self)
     salted = {i for i, ids in enumerate(sequences) if digest(ids) in store.whole}
     results, record = _call(self, original, token_ids, sequences, salted)
-    ids, positions, rows = _checked_record(record)
+    ids, positions, rows = checked_record(record)
     found, _, _ = match_tails(sequences, ids, positions, rows, block)
     # Runs no sequence owns, and sequences whose tail another head shares,
     # are in no ``found`` entry: their rows are never used.
@@ -360,11 +325,7 @@ def _stitched(
                 f"{states[0].shape[0]} rows after its cached rows were put back"
             )
         result["hidden_states"] = states
-    for ids, hashes in zip(sequences, chains, strict=True):
-        store.done(ids, block, hashes)
-    with lent_threads():
-        for ids, states, hashes in zip(sequences, complete, chains, strict=True):
-            store.offer(ids, states, block, hashes)  # type: ignore[arg-type]
+    keep(sequences, complete, block, store, chains)  # type: ignore[arg-type]
     return results
 
 
