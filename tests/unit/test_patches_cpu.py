@@ -1,12 +1,15 @@
-"""The CPU patches: cpu_kv_cache_space and cpu_mla_disable."""
+"""The CPU patches: cpu_kv_cache_space, cpu_mla_disable and cpu_amx_tiles."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
+from specshim._types import Incompatible, NotNeeded
 from specshim.patches.main import cpu_kv_cache_space
+from specshim.patches.worker import cpu_amx_tiles
 
 
 def test_cpu_torch_view_reports_kv_space_and_forwards_the_rest(monkeypatch):
@@ -87,3 +90,49 @@ def test_cpu_mla_runs_only_where_vllm_can_prefill_this_width(tmp_path, monkeypat
     monkeypatch.setenv("VLLM_MLA_DISABLE", "1")  # the user's
     cpu_mla_disable._before((None,), {"model_path": str(wide)})
     assert os.environ["VLLM_MLA_DISABLE"] == "1"
+
+
+def test_a_worker_asks_for_the_amx_tiles_before_its_capture_is_set_up(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: calls.append("amx") or True)
+
+    def setup(self, layer_ids):
+        calls.append(("setup", layer_ids))
+
+    cpu_amx_tiles.PATCH.build(setup)(object(), [1, 2])
+    assert calls == ["amx", ("setup", [1, 2])]
+
+
+def test_a_cpu_without_amx_asks_for_nothing(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: pytest.fail("asked"))
+    assert cpu_amx_tiles.ask_for_amx() is False
+
+
+@pytest.mark.skipif(
+    not torch.cpu._is_amx_tile_supported(), reason="this CPU has no AMX tiles"
+)
+def test_linux_grants_the_amx_tiles_on_a_cpu_that_has_them():
+    assert cpu_amx_tiles.ask_for_amx() is True
+
+
+def test_the_amx_request_applies_only_where_speculators_blocks_reach_amx(
+    monkeypatch,
+):
+    """Where the CPU attention runs speculators' 16-token blocks (vector
+    kernels, vLLM before 0.29), nothing needs the tiles; where it does not
+    (the platform's 128, whose bfloat16 path is AMX), the probe accepts, and
+    a torch without ``_init_amx`` is refused rather than left to SIGILL."""
+
+    def setup(self, layer_ids):
+        return None
+
+    monkeypatch.setattr(cpu_amx_tiles, "cpu_attention_accepts", lambda size: True)
+    with pytest.raises(NotNeeded, match="16-token blocks"):
+        cpu_amx_tiles.PATCH.probe(setup)
+    monkeypatch.setattr(cpu_amx_tiles, "cpu_attention_accepts", lambda size: False)
+    cpu_amx_tiles.PATCH.probe(setup)
+    monkeypatch.delattr(torch.cpu, "_init_amx")
+    with pytest.raises(Incompatible, match="_init_amx"):
+        cpu_amx_tiles.PATCH.probe(setup)

@@ -42,6 +42,7 @@ from specshim.patches.main import warm_up_after_init
 from specshim.patches.main import kv_cache_layout
 from specshim.patches.main import generate_guard
 from specshim.patches.worker import eagle3_gate
+from specshim.patches.worker import cpu_amx_tiles
 from specshim.patches.worker import capture_hooks
 from specshim.patches.worker import row_provenance
 from specshim.patches.worker import row_provenance_rpc
@@ -76,6 +77,7 @@ MAIN = (
 )
 WORKER = (
     eagle3_gate,
+    cpu_amx_tiles,
     capture_hooks,
     row_provenance,
     row_provenance_rpc,
