@@ -88,5 +88,4 @@ PATCH = declare(
     probe=_probe,
     build=_build,
     platform="cpu",
-    drift_rows=(26,),
 )
