@@ -23,18 +23,22 @@ $(STAMP): pyproject.toml requirements/cpu-stack.txt requirements/overrides.txt
 	touch $@
 
 # Every tier but the cases marked `extended` (siblings of cases it runs; CI's
-# minutes): `make test-extended` runs those.
+# minutes): `make test-extended` runs those. JOBS pytest processes take a test
+# file each (a reference generator each: tests/conftest.py), as most of a test
+# is one core's start-up; JOBS=1 runs every test in this one process.
+JOBS ?= 2
+XDIST := $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadgroup)
 test: setup
-	$(PY) -m pytest -m "not extended" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not extended" $(XDIST) $(PYTEST_ARGS)
 
 test-extended: setup
-	$(PY) -m pytest -m extended $(PYTEST_ARGS)
+	$(PY) -m pytest -m extended $(XDIST) $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest tests/unit tests/contract $(PYTEST_ARGS)
 
 test-e2e: setup
-	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
+	$(PY) -m pytest tests/e2e $(XDIST) $(PYTEST_ARGS)
 
 # The GPU tier (tests/gpu) on vLLM's CUDA build, in .venv-gpu; needs an NVIDIA
 # GPU and the registries. It unsets nothing for you: run it as a user would,
@@ -68,7 +72,7 @@ test-export: setup
 VERSIONS ?=
 MATRIX_ARGS ?= --write-table docs/compatibility.md
 test-matrix: setup
-	$(PY) matrix/run.py $(if $(VERSIONS),--versions $(VERSIONS)) $(MATRIX_ARGS)
+	$(PY) matrix/run.py --jobs $(JOBS) $(if $(VERSIONS),--versions $(VERSIONS)) $(MATRIX_ARGS)
 
 # Side-by-side benchmark (specshim vs speculators 0.4.0.1 vs HF), the step-budget
 # sweep and the goals; writes benchmarks/results/ and the results table of

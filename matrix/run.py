@@ -91,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
         "CI skips it for the release `make test` already covers",
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="pytest processes for the end-to-end tier (make test-matrix: JOBS)",
+    )
+    parser.add_argument(
         "--states-only",
         action="store_true",
         help="install each release and record which patches apply (specshim "
@@ -133,7 +139,10 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     tiers = not args.states_only
-    results = [run_version(v, out_dir, e2e=v in e2e, tiers=tiers) for v in versions]
+    results = [
+        run_version(v, out_dir, e2e=v in e2e, tiers=tiers, jobs=args.jobs)
+        for v in versions
+    ]
     failed = [r["version"] for r in results if not r["ok"]]
     results, no_tiers = record(out_dir / "matrix.json", results, tiers)
     failed += no_tiers

@@ -59,9 +59,15 @@ def _doctor(python: str, env: dict[str, str], result: dict) -> bool:
 
 
 def _e2e_tier(
-    version: str, pytest: list[str], log: Path, env: dict[str, str], result: dict
+    version: str,
+    pytest: list[str],
+    log: Path,
+    env: dict[str, str],
+    result: dict,
+    jobs: int = 1,
 ) -> int:
-    """The end-to-end reference tier; its pytest exit status."""
+    """The end-to-end reference tier, on ``jobs`` pytest processes (a
+    generator's cases to one: tests/conftest.py); its pytest exit status."""
     models = e2e_models(version)
     t = time.monotonic()
     _log(f"{version}: e2e reference tier ({', '.join(models)})")
@@ -71,6 +77,8 @@ def _e2e_tier(
     selected = f"(({' or '.join(models)}) and not steps) or test_exit"
     e2e = [*pytest, "tests/e2e/test_reference_match.py", "tests/e2e/test_exit.py"]
     e2e += ["-k", selected]
+    if jobs > 1:
+        e2e += ["-n", str(jobs), "--dist", "loadgroup"]
     rc_e2e = _run(e2e, log, env)
     result["e2e"] = _summary(log)
     result["e2e_s"] = round(time.monotonic() - t, 1)
@@ -78,7 +86,7 @@ def _e2e_tier(
 
 
 def run_version(
-    version: str, out_dir: Path, e2e: bool = True, tiers: bool = True
+    version: str, out_dir: Path, e2e: bool = True, tiers: bool = True, jobs: int = 1
 ) -> dict:
     venv = ROOT / f".venv-vllm{version}"
     log = out_dir / f"vllm-{version}.log"
@@ -112,7 +120,7 @@ def run_version(
         result["ok"] = rc_contract == 0
         _log(f"{version}: {'ok' if result['ok'] else 'FAILED'} (contract only)")
         return result
-    rc_e2e = _e2e_tier(version, pytest, log, env, result)
+    rc_e2e = _e2e_tier(version, pytest, log, env, result, jobs)
     result["total_s"] = round(time.monotonic() - started, 1)
     result["ok"] = rc_contract == 0 and rc_e2e == 0
     _log(

@@ -53,6 +53,7 @@ def install(version: str, venv: Path, log: Path) -> str | None:
             "speculators==0.3.0",
             "pytest==9.2.0",
             "pytest-timeout==2.4.0",
+            "pytest-xdist==3.8.0",
             "-e",
             ".",
             "--override",

@@ -43,3 +43,19 @@ def hf_reference() -> Any:
         return cache[key]
 
     return get
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[Any]) -> None:
+    """Under pytest-xdist (``make test``: ``-n JOBS --dist loadgroup``), the
+    unit of work a process takes is a test file, as its tests share module
+    fixtures (an engine, a tampered output), except that the reference cases
+    go a generator (tests/e2e/conftest.py: one engine each, module-scoped) to
+    a unit: they are most of the tier's time and need nothing of each other."""
+    if not config.pluginmanager.has_plugin("xdist"):
+        return  # (the matrix's environments run without it)
+    for item in items:
+        group = item.nodeid.split("::")[0]
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "generator" in callspec.params:
+            group += f"[{callspec.params['generator']}]"
+        item.add_marker(pytest.mark.xdist_group(group))
