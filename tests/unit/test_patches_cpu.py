@@ -136,3 +136,17 @@ def test_the_amx_request_applies_only_where_speculators_blocks_reach_amx(
     monkeypatch.delattr(torch.cpu, "_init_amx")
     with pytest.raises(Incompatible, match="_init_amx"):
         cpu_amx_tiles.PATCH.probe(setup)
+
+
+def test_the_amx_request_is_the_outermost_wrapper_of_its_target():
+    """capture-hooks replaces the setup without calling what it wraps: a
+    request stacked under it would never run (seen: the patch "applied", the
+    worker still killed by SIGILL on vLLM 0.32.0)."""
+    import specshim
+
+    same = [
+        patch.id
+        for patch in specshim.registry()
+        if patch.target == cpu_amx_tiles.PATCH.target
+    ]
+    assert "capture-hooks" in same and same[-1] == "cpu-amx-tiles", same

@@ -42,13 +42,13 @@ from specshim.patches.main import warm_up_after_init
 from specshim.patches.main import kv_cache_layout
 from specshim.patches.main import generate_guard
 from specshim.patches.worker import eagle3_gate
-from specshim.patches.worker import cpu_amx_tiles
 from specshim.patches.worker import capture_hooks
 from specshim.patches.worker import row_provenance
 from specshim.patches.worker import row_provenance_rpc
 from specshim.patches.worker import state_transport
 from specshim.patches.worker import state_order_rpc
 from specshim.patches.worker import capture_contract
+from specshim.patches.worker import cpu_amx_tiles
 # isort: on
 
 DEPS = (transformers_torch_annotation,)
@@ -77,13 +77,13 @@ MAIN = (
 )
 WORKER = (
     eagle3_gate,
-    cpu_amx_tiles,
     capture_hooks,
     row_provenance,
     row_provenance_rpc,
     state_transport,
     state_order_rpc,
     capture_contract,
+    cpu_amx_tiles,  # last: the outermost wrapper (capture-hooks calls no original)
 )
 
 # The patch set in apply order: what the registry's loader hands it.
