@@ -128,10 +128,12 @@ def test_the_amx_request_applies_only_where_speculators_blocks_reach_amx(
     def setup(self, layer_ids):
         return None
 
-    monkeypatch.setattr(cpu_amx_tiles, "cpu_attention_accepts", lambda size: True)
+    from specshim.patches.main import cpu_block_size
+
+    monkeypatch.setattr(cpu_block_size, "cpu_attention_accepts", lambda size: True)
     with pytest.raises(NotNeeded, match="16-token blocks"):
         cpu_amx_tiles.PATCH.probe(setup)
-    monkeypatch.setattr(cpu_amx_tiles, "cpu_attention_accepts", lambda size: False)
+    monkeypatch.setattr(cpu_block_size, "cpu_attention_accepts", lambda size: False)
     cpu_amx_tiles.PATCH.probe(setup)
     monkeypatch.delattr(torch.cpu, "_init_amx")
     with pytest.raises(Incompatible, match="_init_amx"):

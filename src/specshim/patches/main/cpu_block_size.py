@@ -46,7 +46,9 @@ def cpu_attention_accepts(block_size: int) -> bool | None:
     return False
 
 
-def _probe(original: Any) -> None:
+def require_platform_blocks() -> None:
+    """Raise ``NotNeeded`` unless this is vLLM's CPU platform and its attention
+    refuses speculators' 16-token blocks (so the platform chooses them)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -56,6 +58,10 @@ def _probe(original: Any) -> None:
         raise NotNeeded("no CPU attention backend to ask (its kernels took 16)")
     if accepts:
         raise NotNeeded("the CPU attention kernels run 16-token blocks")
+
+
+def _probe(original: Any) -> None:
+    require_platform_blocks()
 
 
 def _platform_chooses(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -28,12 +28,14 @@ Remove when:
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-from specshim._types import Incompatible, NotNeeded
+from specshim._types import Incompatible
 from specshim.patches._declare import declare
-from specshim.patches.main.cpu_block_size import cpu_attention_accepts
+from specshim.patches._wrappers import require_callable, wrap_call
+from specshim.patches.main.cpu_block_size import require_platform_blocks
+
+_SETUP = "HiddenStatesWorkerExtension._setup_hidden_states_capture(layer_ids)"
 
 
 def ask_for_amx() -> bool:
@@ -45,19 +47,8 @@ def ask_for_amx() -> bool:
 
 
 def _probe(original: Any) -> None:
-    if original is None or not callable(original):
-        raise Incompatible(
-            "HiddenStatesWorkerExtension._setup_hidden_states_capture(layer_ids)",
-            repr(original),
-        )
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        raise NotNeeded(f"platform is {current_platform.device_type!r}, not cpu")
-    if cpu_attention_accepts(16) is not False:
-        raise NotNeeded(
-            "speculators' 16-token blocks run the CPU attention's vector kernels"
-        )
+    require_callable(_SETUP)(original)
+    require_platform_blocks()  # where cpu-block-size applies: 128-token blocks
     import torch
 
     missing = [
@@ -69,16 +60,6 @@ def _probe(original: Any) -> None:
         raise Incompatible("torch.cpu._init_amx (torch 2.3 and later)", str(missing))
 
 
-def _build(original: Any) -> Any:
-    @functools.wraps(original)
-    def setup_hidden_states_capture(self: Any, layer_ids: list[int]) -> None:
-        ask_for_amx()
-        original(self, layer_ids)
-
-    setup_hidden_states_capture.__specshim__ = True  # type: ignore[attr-defined]
-    return setup_hidden_states_capture
-
-
 PATCH = declare(
     __name__,
     __doc__,
@@ -86,6 +67,6 @@ PATCH = declare(
     attribute="HiddenStatesWorkerExtension._setup_hidden_states_capture",
     versions=">=0.29",
     probe=_probe,
-    build=_build,
+    build=lambda original: wrap_call(original, before=lambda *_: ask_for_amx()),
     platform="cpu",
 )
