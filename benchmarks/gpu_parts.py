@@ -177,7 +177,7 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
     import importlib
 
     budget = set_generate_budget(args)
-    from specshim.testing.worker_probes import backends
+    from specshim.testing.worker_probes import backends, early_fetches
 
     if args.model in DUMMY_WEIGHTS:
         from dummy_weights import install
@@ -202,7 +202,10 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
             results = generator.generate(batch)
             del results
         passes.append(time.perf_counter() - start)
-    found = _best(passes) | {"backends": generator.executor.collective_rpc(backends)[0]}
+    rpc = generator.executor.collective_rpc
+    found = _best(passes) | {"backends": rpc(backends)[0]}
+    # The calls whose rows left as they were captured (early_copies).
+    found["early_fetches"] = f"{rpc(early_fetches)[0]} of {1 + PASSES * len(batches)}"
     # What the scheduler ran at, read back: the figure names its real budget.
     ran = int(generator.vllm_config.scheduler_config.max_num_batched_tokens)
     if ran != budget:

@@ -17,6 +17,7 @@ import specshim
 from specshim._closing import worker_pids
 from specshim.patches._transport.shared_states import MAX_SLABS
 from specshim.testing.worker_probes import (
+    early_fetches,
     pad_steps,
     sort_steps_by_token_count,
     tamper_captured_rows,
@@ -166,24 +167,36 @@ TRANSPORT_CASES = {("llama", 1), ("llama", 2), ("deepseek_v3", 1)}
 
 def test_states_are_bit_identical_through_every_transport(generator, request):
     """What generate() returns through shared memory (with the worker's
-    input-order layout) and through the fallback is, bit for bit, what the
-    tensors pickled through vLLM's RPC queue gave, for a batch with a shared
-    prefix, duplicates and rows that leave the forward out of input order."""
+    input-order layout, or copied out as each layer was captured) and through
+    the fallback is, bit for bit, what the tensors pickled through vLLM's RPC
+    queue gave, for a batch with a shared prefix, duplicates and rows that
+    leave the forward out of input order, or in it."""
     if tuple(request.node.callspec.params["generator"]) not in TRANSPORT_CASES:
         pytest.skip("transport compared on Llama (TP=1, TP=2) and DeepSeek-V3")
     rng = random.Random(12)
     prefix = [rng.randrange(VOCAB) for _ in range(40)]
     batch = [prefix + t for t in _seqs(rng, 5, 1, 60)] + _seqs(rng, 4, 1, 90)
     batch = [*batch, batch[2], batch[0]]
-    got = {}
-    generator.executor.collective_rpc(sort_steps_by_token_count)
-    try:
-        for mode in ("pickled", "shared", "fallback"):
-            generator.executor.collective_rpc(use_transport, args=(mode,))
-            got[mode] = generator.generate(batch)
-    finally:
-        generator.executor.collective_rpc(use_transport, args=("shared",))
-        generator.executor.collective_rpc(sort_steps_by_token_count, args=(False,))
+    rpc = generator.executor.collective_rpc
+    for resorted in (True, False):
+        got = {}
+        early = rpc(early_fetches)[0]
+        if resorted:
+            rpc(sort_steps_by_token_count)
+        try:
+            for mode in ("pickled", "shared", "fallback"):
+                rpc(use_transport, args=(mode,))
+                got[mode] = generator.generate(batch)
+        finally:
+            rpc(use_transport, args=("shared",))
+            rpc(sort_steps_by_token_count, args=(False,))
+        # In the runner's order the shared call's rows left as they were
+        # captured (one fetch); re-sorted, they were laid out again.
+        assert rpc(early_fetches)[0] - early == (0 if resorted else 1)
+        _assert_bit_identical(got)
+
+
+def _assert_bit_identical(got: dict[str, Any]) -> None:
     for mode in ("shared", "fallback"):
         for index, (want, have) in enumerate(
             zip(got["pickled"], got[mode], strict=True)

@@ -20,7 +20,9 @@ def tower_parameter_count(worker: Any) -> int:
 
 
 def sort_steps_by_token_count(worker: Any, on: bool = True) -> None:
-    """Lay out every step's requests longest first, as vLLM's V2 GPU runner does.
+    """Lay out every step's requests longest first: another order than the
+    one ``generate-guard`` sends them in (shortest first, which vLLM's V2 GPU
+    runner keeps, as its sort by token count is ascending).
 
     A test-only change to a live V1 runner (the V2 runner cannot run on the
     CPU backend): after the runner's own reordering, the persistent batch is
@@ -51,6 +53,14 @@ def sort_steps_by_token_count(worker: Any, on: bool = True) -> None:
 
     runner._specshim_test_unsorted = reorder
     runner._may_reorder_batch = may_reorder_batch
+
+
+def early_fetches(worker: Any) -> int:
+    """How many fetches this worker answered with the rows it copied out as
+    they were captured (``_transport/early_copies``); 0 without a region."""
+    worker = vars(worker).get("worker", worker)
+    region = getattr(worker, "_specshim_region", None)
+    return 0 if region is None else region.early_fetches
 
 
 def tamper_captured_rows(worker: Any, mode: str | None) -> None:

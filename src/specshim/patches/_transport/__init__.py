@@ -7,6 +7,9 @@ Rooms:
 * ``shared_states``: the worker's side. Slabs of shared, pinned host memory
   in ``/dev/shm``, the descriptor that maps one in the main process, and the
   fallback (rows as numpy, copied on arrival) where no slab can be had.
+* ``early_copies``: the worker's copies of a call's layers into its slab,
+  made as each layer is captured, used where they are exactly what the fetch
+  would write.
 * ``handed_states``: the main process's side. A descriptor mapped into the
   call's layers, the lease that gives a slab back once the caller lets go of
   every tensor over it, and the clones handed their own rows.

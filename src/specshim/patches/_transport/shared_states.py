@@ -206,6 +206,7 @@ class HostRegion:
         self.warned: set[str] = set()  # the causes already logged
         self.ahead: _Ahead | None = None  # the next call's slab, being made
         self.make_ahead: bool | None = None  # None: where the states are pinned
+        self.early_fetches = 0  # fetches answered by ``early_copies``
         atexit.register(self.close)
 
     def reserve(self, nbytes: int, pin: bool) -> Slab | None:

@@ -162,6 +162,21 @@ def reorder(
     return results
 
 
+def runner_order(sequences: list[Any]) -> list[int] | None:
+    """The order to send ``sequences`` in so that the workers capture their
+    rows in it (None: as given): by length, shortest first, ties as given.
+
+    The V2 runner computes a step's requests shortest first (vLLM 0.22+,
+    ``sort_batch_req_ids``), and the V1 runner in the order they were
+    scheduled. Sent so, the rows need no reordering in the worker, so they
+    can be copied out while the forward runs (``early_copies``). The order
+    decides speed only: every row is proven against its own sequence, and
+    the caller gets the results in its own order.
+    """
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    return None if order == list(range(len(sequences))) else order
+
+
 def _workers_order_rows() -> bool:
     """Whether the workers lay rows out in input order (``state-transport``
     with ``state-order-rpc``): then they are told the call's sequences."""
@@ -342,8 +357,21 @@ def _build(original: Any) -> Any:
         block = reuse_block(self.vllm_config)
         if block:
             return _stitched(self, original, token_ids, sequences, block)
-        results, record = _call(self, original, token_ids, sequences)
-        return reorder(results, sequences, prove_rows(sequences, record))
+        order = runner_order(sequences)
+        if order is None:
+            results, record = _call(self, original, token_ids, sequences)
+            return reorder(results, sequences, prove_rows(sequences, record))
+        ran = [sequences[i] for i in order]
+        results, record = _call(self, original, ran, ran)
+        try:
+            begin = prove_rows(ran, record)
+        except SpecShimError:
+            prove_rows(sequences, record)  # the same verdict, in the caller's indexes
+            raise
+        back: list[Any] = [None] * len(order)
+        for result, index in zip(reorder(results, ran, begin), order, strict=True):
+            back[index] = result
+        return back
 
     generate.__specshim__ = True  # type: ignore[attr-defined]
     return generate

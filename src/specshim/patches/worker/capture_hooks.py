@@ -75,8 +75,13 @@ class _Capture:
         self.buffer: dict[int, Any] = {}
 
     def hook(self, index: int) -> Any:
+        position = self.layer_ids.index(index)
+
         def on_output(module: Any, args: Any, output: Any) -> None:
-            self.buffer[index] = layer_state(output)
+            state = self.buffer[index] = layer_state(output)
+            early = getattr(self.extension, "_specshim_early", None)
+            if early is not None:  # state-transport's copy, made now
+                early.on_layer(position, state)
             if len(self.buffer) == len(self.layer_ids):
                 states = [self.buffer[i] for i in self.layer_ids]
                 self.buffer = {}

@@ -7,6 +7,9 @@ Why:
     a clone of every layer in the main process. It needs the call's sequences,
     in input order; ``generate-guard`` sends them with this RPC before
     speculators adds the requests. The worker forgets them at the next fetch.
+    They also bound the call's rows, so that each captured layer can be
+    copied into the call's slab while the forward goes on
+    (``_transport/early_copies``).
     Only the guard's proof, in the main process, decides what is returned.
 Upstream change:
     None: part of specshim's state transport.
@@ -25,8 +28,12 @@ from specshim.patches._declare import declare
 
 
 def expect_rows(self: Any, sequences: list[list[int]]) -> None:
-    """Remember the call's sequences (tensor-parallel rank 0 uses them)."""
+    """Remember the call's sequences (tensor-parallel rank 0 uses them), and
+    have its rows copied out as they are captured (``early_copies``)."""
+    from specshim.patches._transport import early_copies
+
     self._specshim_expected = sequences
+    early_copies.begin(self, sequences)
 
 
 def _probe(original: Any) -> None:
