@@ -4,15 +4,19 @@ Shared by ``generate-guard`` (main process), which proves every returned row
 from the workers' provenance record, and ``state-transport`` (worker), which
 uses the same matching to lay the rows out in input order before they leave
 the worker. Only the guard's proof decides: a layout the worker gets wrong is
-refused there, never returned.
+refused there, never returned; rows proven but out of input order are
+re-sliced there (``reorder``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict, deque
 from typing import Any
 
 from specshim._base import SpecShimError
+
+logger = logging.getLogger(__name__)
 
 CAUSES = (
     "Typical causes: a sequence needs more KV-cache blocks than exist (raise "
@@ -247,3 +251,43 @@ def misalignment(missing: list[int], strays: int, total: int) -> SpecShimError:
         + ". Returning them would misalign training data. "
         + CAUSES
     )
+
+
+def reorder(
+    results: list[dict[str, Any]], sequences: list[Any], begin: list[int]
+) -> list[dict[str, Any]]:
+    """Give each result the rows ``prove_rows`` found for it.
+
+    speculators sliced the capture positionally; with every row proven and
+    owned once, the concatenation of its slices is the whole capture.
+    """
+    import torch
+
+    for index, (result, ids) in enumerate(zip(results, sequences, strict=True)):
+        if not torch.equal(result["input_ids"], torch.as_tensor(ids, dtype=torch.long)):
+            raise SpecShimError(
+                f"speculators returned other input_ids for sequence {index} than it "
+                "was given"
+            )
+        for layer, states in enumerate(result["hidden_states"]):
+            if states.shape[0] != len(ids):
+                raise SpecShimError(
+                    f"sequence {index} has {len(ids)} tokens but {states.shape[0]} "
+                    f"rows for its layer #{layer}"
+                )
+    offsets = [0]
+    for ids in sequences[:-1]:
+        offsets.append(offsets[-1] + len(ids))
+    if begin == offsets:
+        return results
+    # Normal under the V2 runner when the workers cannot order rows
+    # themselves (state-transport turned off): not worth a warning per call.
+    logger.debug("specshim: captured rows were out of input order; re-sliced them")
+    num_layers = len(results[0]["hidden_states"])
+    stacked = [
+        torch.cat([r["hidden_states"][k] for r in results]) for k in range(num_layers)
+    ]
+    for result, start, ids in zip(results, begin, sequences, strict=True):
+        n = len(ids)
+        result["hidden_states"] = [h[start : start + n].clone() for h in stacked]
+    return results

@@ -59,6 +59,7 @@ from specshim.patches._transport.rows import (
     match_runs,
     match_tails,
     misalignment,
+    reorder,
 )
 from specshim.patches._transport.threads import lent_threads
 from specshim.patches.main import request_args
@@ -120,46 +121,6 @@ def prove_rows(sequences: list[Any], record: dict[str, Any]) -> list[int]:
     if missing or strays:
         raise misalignment(missing, len(strays), len(sequences))
     return [run[0] for run in found if run is not None]
-
-
-def reorder(
-    results: list[dict[str, Any]], sequences: list[Any], begin: list[int]
-) -> list[dict[str, Any]]:
-    """Give each result the rows ``prove_rows`` found for it.
-
-    speculators sliced the capture positionally; with every row proven and
-    owned once, the concatenation of its slices is the whole capture.
-    """
-    import torch
-
-    for index, (result, ids) in enumerate(zip(results, sequences, strict=True)):
-        if not torch.equal(result["input_ids"], torch.as_tensor(ids, dtype=torch.long)):
-            raise SpecShimError(
-                f"speculators returned other input_ids for sequence {index} than it "
-                "was given"
-            )
-        for layer, states in enumerate(result["hidden_states"]):
-            if states.shape[0] != len(ids):
-                raise SpecShimError(
-                    f"sequence {index} has {len(ids)} tokens but {states.shape[0]} "
-                    f"rows for its layer #{layer}"
-                )
-    offsets = [0]
-    for ids in sequences[:-1]:
-        offsets.append(offsets[-1] + len(ids))
-    if begin == offsets:
-        return results
-    # Normal under the V2 runner when the workers cannot order rows
-    # themselves (state-transport turned off): not worth a warning per call.
-    logger.debug("specshim: captured rows were out of input order; re-sliced them")
-    num_layers = len(results[0]["hidden_states"])
-    stacked = [
-        torch.cat([r["hidden_states"][k] for r in results]) for k in range(num_layers)
-    ]
-    for result, start, ids in zip(results, begin, sequences, strict=True):
-        n = len(ids)
-        result["hidden_states"] = [h[start : start + n].clone() for h in stacked]
-    return results
 
 
 def runner_order(sequences: list[Any]) -> list[int] | None:
@@ -344,6 +305,28 @@ def _stitched(
     return results
 
 
+def _guarded(
+    self: Any,
+    original: Any,
+    token_ids: Any,
+    sequences: list[Any],
+    given: list[Any] | None = None,
+) -> list[dict[str, Any]]:
+    """speculators' ``generate()`` of ``sequences``, every row proven;
+    ``given``: the same sequences in the caller's order, which a refusal names."""
+    block = reuse_block(self.vllm_config)
+    if block:
+        return _stitched(self, original, token_ids, sequences, block)
+    results, record = _call(self, original, token_ids, sequences)
+    try:
+        begin = prove_rows(sequences, record)
+    except SpecShimError:
+        if given is not None:
+            prove_rows(given, record)  # the same verdict, in the caller's indexes
+        raise
+    return reorder(results, sequences, begin)
+
+
 def _build(original: Any) -> Any:
     import functools
 
@@ -354,22 +337,14 @@ def _build(original: Any) -> Any:
             token_ids, model_config.get_vocab_size(), model_config.max_model_len
         )
         sequences = _sequences(token_ids, model_config.max_model_len)
-        block = reuse_block(self.vllm_config)
-        if block:
-            return _stitched(self, original, token_ids, sequences, block)
         order = runner_order(sequences)
         if order is None:
-            results, record = _call(self, original, token_ids, sequences)
-            return reorder(results, sequences, prove_rows(sequences, record))
+            return _guarded(self, original, token_ids, sequences)
         ran = [sequences[i] for i in order]
-        results, record = _call(self, original, ran, ran)
-        try:
-            begin = prove_rows(ran, record)
-        except SpecShimError:
-            prove_rows(sequences, record)  # the same verdict, in the caller's indexes
-            raise
         back: list[Any] = [None] * len(order)
-        for result, index in zip(reorder(results, ran, begin), order, strict=True):
+        for result, index in zip(
+            _guarded(self, original, ran, ran, sequences), order, strict=True
+        ):
             back[index] = result
         return back
 
