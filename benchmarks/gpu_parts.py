@@ -225,10 +225,11 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
 
 
 def part_extract(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
-    """``specshim extract`` end to end; its own rate (from the first
-    generate()) and its closing line of where the time went."""
-    out = args.work / "extract-out"
-    shutil.rmtree(out, ignore_errors=True)
+    """``specshim extract`` end to end, the best of ``PASSES`` runs, as
+    ``generate()`` is counted (each run a process of its own, cold as a
+    user's: the second finds the first's compiled kernels on disk); its own
+    rate (from the first generate()) and its closing line of where the time
+    went."""
     layers = ",".join(str(k) for k in MODELS[args.model][2])
     specshim = ["-m", "specshim"]
     if args.model in DUMMY_WEIGHTS:  # specshim, its generator's weights drawn
@@ -236,7 +237,7 @@ def part_extract(args: argparse.Namespace, data: list[list[int]]) -> dict[str, A
     command = [
         *(sys.executable, *specshim, "extract"),
         *("--model", str(args.model_dir), "--data", str(args.work / "data.jsonl")),
-        *("--out", str(out), "--layers", layers),
+        *("--out", str(args.work / "extract-out"), "--layers", layers),
         *("--max-model-len", str(MAX_MODEL_LEN)),
         *("--batch-size", str(batch_size(args))),
     ]
@@ -245,9 +246,25 @@ def part_extract(args: argparse.Namespace, data: list[list[int]]) -> dict[str, A
     env = dict(os.environ)
     if args.threads:  # the writer's pool (extract's own choice: 8 on a GPU host)
         env["SPECSHIM_WRITER_THREADS"] = str(args.threads)
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
     name = label("extract", budget=args.budget, threads=args.threads, batch=args.batch)
-    name = f"{name}-{args.model}"
+    runs = [
+        _extract_once(args, data, command, env, f"{name}-{args.model}{suffix}")
+        for suffix in ["", *(f"-run{n}" for n in range(2, PASSES + 1))]
+    ]
+    found = min(runs, key=lambda run: run["seconds"])
+    return found | {"passes": [round(run["seconds"], 3) for run in runs]}
+
+
+def _extract_once(
+    args: argparse.Namespace,
+    data: list[list[int]],
+    command: list[str],
+    env: dict[str, str],
+    name: str,
+) -> dict[str, Any]:
+    out = args.work / "extract-out"
+    shutil.rmtree(out, ignore_errors=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     (args.results / f"{name}.specshim.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise RuntimeError(f"extract exited {done.returncode}: {done.stderr[-800:]}")

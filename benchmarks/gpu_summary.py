@@ -191,6 +191,13 @@ def _notes(name: str, s: dict[str, Any]) -> list[str]:
             f"native: {s.get('native_utilization') or 'none'}). Settings: "
             + json.dumps(s.get("settings", {}))
         )
+    runs = (s.get("passes") or {}).get("extract")
+    if runs:
+        notes.append(
+            f"- {name}: generate() is the best of its timed passes after a "
+            f"warm-up call, extract the best of {len(runs)} runs, each a "
+            f"process of its own (seconds: {runs})."
+        )
     for label, timing in (s.get("extract_timing") or {}).items():
         notes.append(f"- {name}: {timing_sentence(label, timing)}.")
     notes += _step_notes(name, s) + _thread_notes(name, s) + _batch_notes(name, s)

@@ -120,6 +120,7 @@ def test_bench_gpu_counts_the_peer_at_its_best_and_judges_the_targets(bench):
         "generate": {"seconds": 4.6, "passes": [4.6, 4.7]},
         "extract": {
             "seconds": 5.0,
+            "passes": [5.3, 5.0],
             "timing": {
                 "total": 5.0,
                 "generate": 4.5,
@@ -152,6 +153,7 @@ def test_bench_gpu_counts_the_peer_at_its_best_and_judges_the_targets(bench):
     assert "prefill: default, native: 0.8" in text
     assert "stretch: extract >= native: missed" in text
     assert "generate() took 4.5 s" in text
+    assert "extract the best of 2 runs, each a process of its own" in text
 
 
 def test_extracts_gpu_step_budget_is_bench_gpus_choice():
