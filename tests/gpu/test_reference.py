@@ -16,6 +16,7 @@ from ..e2e.test_reference_match import (  # noqa: F401 - collected here
     test_one_token_sequences,
     test_repeated_calls_with_different_batch_sizes,
     test_rows_dropped_or_repeated_in_the_worker_are_refused,
+    test_rows_in_the_runners_order_leave_as_they_were_captured,
     test_shared_system_prompt,
     test_what_generate_returns_is_the_callers_alone,
     test_workers_free_every_finished_request,

@@ -55,10 +55,14 @@ def sort_steps_by_token_count(worker: Any, on: bool = True) -> None:
     runner._may_reorder_batch = may_reorder_batch
 
 
-def early_fetches(worker: Any) -> int:
+def early_fetches(worker: Any) -> int | None:
     """How many fetches this worker answered with the rows it copied out as
-    they were captured (``_transport/early_copies``); 0 without a region."""
+    they were captured (``_transport/early_copies``); None where its capture
+    does not run through ``capture-hooks`` (vLLM 0.11: speculators' own
+    forward), which is what makes those copies."""
     worker = vars(worker).get("worker", worker)
+    if not getattr(worker, "_specshim_hooks", None):
+        return None
     region = getattr(worker, "_specshim_region", None)
     return 0 if region is None else region.early_fetches
 
