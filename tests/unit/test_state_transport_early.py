@@ -221,3 +221,52 @@ def test_the_helpers_states_say_where_each_row_came_from():
     layers = _states([_forward([[1, 2]]), _forward([[3]])])
     assert layers[0][1].tolist() == [[0.0, 1.0]]
     assert layers[1][0][:, 0].tolist() == [0.0, -1.0]
+
+
+def test_adjacent_runs_of_a_forward_move_as_one_copy():
+    batch = [[5, 6, 7], [8], [1, 2]]
+    forwards = [_forward([[1, 2], [5, 6, 7], [8]])]
+    pieces, _, moved = state_transport.input_order(batch, forwards)
+    assert pieces == [(0, 2, 4), (0, 0, 2)]
+    assert moved == 3
+
+
+def test_the_in_order_check_finds_what_match_runs_finds():
+    """Random calls, in input order or not, split across forwards or not:
+    where ``in_input_order`` says yes, ``match_runs`` puts every sequence at
+    its own offset with no stray; where it is shuffled or a sequence spans
+    two forwards (a partial prefill, which the strict proof refuses), no."""
+    import random
+
+    from specshim.patches._transport.rows import in_input_order, match_runs
+
+    rng = random.Random(45)
+    said = {True: 0, False: 0}
+    for _ in range(300):
+        batch = [[rng.randrange(4) for _ in range(rng.randint(1, 5))] for _ in range(5)]
+        sent = list(batch)
+        if rng.random() < 0.5:
+            rng.shuffle(sent)
+        ids = torch.tensor([t for s in sent for t in s])
+        positions = torch.tensor([p for s in sent for p in range(len(s))])
+        total = len(ids)
+        cut = rng.randint(1, total - 1) if rng.random() < 0.5 else total
+        rows = [cut, total - cut] if cut < total else [total]
+        fast = in_input_order(batch, ids, positions, rows)
+        said[fast] += 1
+        offsets = [sum(map(len, batch[:i])) for i in range(len(batch))]
+        try:
+            found, strays = match_runs(batch, ids, positions, rows)
+        except SpecShimError:
+            assert not fast
+            continue
+        proven = not strays and [run and run[0] for run in found] == offsets
+        assert fast == (
+            proven
+            and all(
+                sum(rows[: k + 1])
+                in {o + len(s) for o, s in zip(offsets, batch, strict=True)}
+                for k in range(len(rows))
+            )
+        )
+    assert said[True] > 50 and said[False] > 50

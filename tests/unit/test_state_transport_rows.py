@@ -18,13 +18,19 @@ from specshim.patches.worker import state_transport
 from ._transport_helpers import _forward, _received, _Worker
 
 
+def test_rows_already_in_input_order_keep_the_capture_order():
+    batch = [[5, 6, 7], [1, 2], [5, 6, 7], [9]]
+    forwards = [_forward([[5, 6, 7], [1, 2]]), _forward([[5, 6, 7], [9]])]
+    assert state_transport.input_order(batch, forwards) is None
+
+
 def test_runs_are_laid_out_in_input_order_with_the_record_permuted_alike():
     batch = [[5, 6, 7], [1, 2], [5, 6, 7], [9]]
     # Two forwards, each sorted by token count as the V2 runner does.
-    forwards = [_forward([[5, 6, 7], [1, 2]]), _forward([[5, 6, 7], [9]])]
+    forwards = [_forward([[1, 2], [5, 6, 7]]), _forward([[9], [5, 6, 7]])]
     pieces, entries, moved = state_transport.input_order(batch, forwards)
-    assert pieces == [(0, 0, 5), (1, 0, 4)]  # adjacent runs merge into one copy
-    assert moved == 0
+    assert pieces == [(0, 2, 3), (0, 0, 2), (1, 1, 3), (1, 0, 1)]
+    assert moved == 4
     assert [e[0].tolist() for e in entries] == batch
     assert all(
         e[3] is None and e[2] == len(b) for e, b in zip(entries, batch, strict=True)

@@ -83,6 +83,35 @@ def runs(positions: Any, rows: list[int], block: int) -> tuple[Any, Any, Any]:
     return starts, ends, firsts
 
 
+def in_input_order(
+    sequences: list[Any], token_ids: Any, positions: Any, rows: list[int]
+) -> bool:
+    """Whether the captured rows are the sequences themselves, whole, one
+    after another in input order, with no sequence split between forwards:
+    then sequence i's run is its own offset onward, exactly what
+    ``match_runs`` would find (checked in a quarter of its time: a call's
+    rows are in this order whenever the runner computed them in the order
+    ``generate-guard`` sends them)."""
+    import itertools
+
+    import numpy as np
+
+    lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
+    total = int(lengths.sum())
+    if not total or sum(rows) != total or token_ids.numel() != total:
+        return False
+    if positions.numel() != total:
+        return False
+    flat = itertools.chain.from_iterable(sequences)
+    if not np.array_equal(token_ids.numpy(), np.fromiter(flat, np.int64, total)):
+        return False
+    ends = np.cumsum(lengths)
+    counting = np.arange(total) - np.repeat(ends - lengths, lengths)
+    if not np.array_equal(positions.numpy(), counting):
+        return False
+    return bool(np.isin(np.cumsum(rows), ends).all())
+
+
 def match_runs(
     sequences: list[Any], token_ids: Any, positions: Any, rows: list[int]
 ) -> tuple[list[tuple[int, int] | None], list[tuple[int, int]]]:

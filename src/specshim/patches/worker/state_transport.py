@@ -47,7 +47,7 @@ from specshim._types import Incompatible
 from specshim.patches._declare import declare
 from specshim.patches._transport import early_copies
 from specshim.patches._transport.early_copies import stride_of
-from specshim.patches._transport.rows import match_runs
+from specshim.patches._transport.rows import in_input_order, match_runs
 from specshim.patches._transport.shared_states import (
     HostRegion,
     OwnedRows,
@@ -66,8 +66,8 @@ def input_order(
     ``forwards`` is ``row-provenance``'s record, one ``(token_ids, positions,
     rows, problem)`` entry per stored forward. Returns the pieces to copy in
     order, the record's entries permuted the same way (one per run), and how
-    many runs moved; None keeps the capture order (no provenance, or rows the
-    guard will refuse anyway). Runs no sequence claims go last, in capture
+    many runs moved; None keeps the capture order (no provenance, rows in
+    input order already, or rows the guard will refuse anyway). Runs no sequence claims go last, in capture
     order, so the guard still sees and refuses them.
     """
     import torch
@@ -77,6 +77,8 @@ def input_order(
     ids = torch.cat([f[0].long() for f in forwards]).cpu()
     positions = torch.cat([f[1].long() for f in forwards]).cpu()
     rows = [int(f[2]) for f in forwards]
+    if in_input_order(expected, ids, positions, rows):
+        return None  # in order already: nothing moves
     try:
         found, strays = match_runs(expected, ids, positions, rows)
     except SpecShimError:
