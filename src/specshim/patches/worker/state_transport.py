@@ -67,8 +67,9 @@ def input_order(
     rows, problem)`` entry per stored forward. Returns the pieces to copy in
     order, the record's entries permuted the same way (one per run), and how
     many runs moved; None keeps the capture order (no provenance, rows in
-    input order already, or rows the guard will refuse anyway). Runs no sequence claims go last, in capture
-    order, so the guard still sees and refuses them.
+    input order already, or rows the guard will refuse anyway). Runs no
+    sequence claims go last, in capture order, so the guard still sees and
+    refuses them.
     """
     import torch
 
