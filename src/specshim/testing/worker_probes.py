@@ -179,9 +179,7 @@ def use_transport(worker: Any, mode: str) -> None:
         raise ValueError(f"unknown transport {mode!r}")
     worker = vars(worker).get("worker", worker)
     worker.__dict__.pop("_get_captured_states", None)
-    region = getattr(worker, "_specshim_region", None)
-    if region is None:
-        region = worker._specshim_region = _shared_states.HostRegion()
+    region = _shared_states.region_of(worker)
     region.failure = "fallback forced by a test" if mode == "fallback" else None
     if mode == "pickled":
         original = REGISTRY.record("state-transport").original

@@ -51,7 +51,7 @@ class EarlyCopies:
     def __init__(self, worker: Any, rows: int, layers: int) -> None:
         self.worker, self.rows, self.layers = worker, rows, layers
         self.slab: Any = None
-        self.stride = 0
+        self.stride = self.row_bytes = 0
         self.kind: tuple[Any, ...] | None = None  # (row shape, dtype)
         self.copied: list[list[Any]] = [[] for _ in range(layers)]
         self.forwards: list[int] = []  # rows of each forward, as copied
@@ -86,9 +86,8 @@ class EarlyCopies:
         ):
             self.broken = True
             return
-        row_bytes = state[:1].numel() * state.element_size()
-        begin = HEADER + position * self.stride + done * row_bytes
-        into = self.slab.base[begin : begin + rows * row_bytes]
+        begin = HEADER + position * self.stride + done * self.row_bytes
+        into = self.slab.base[begin : begin + rows * self.row_bytes]
         into = into.view(state.dtype).view(rows, *kind[0])
         if state.is_cuda:
             self._copy_beside(into, state)
@@ -97,13 +96,11 @@ class EarlyCopies:
         self.copied[position].append(state)
 
     def _reserve(self, state: Any, kind: tuple[Any, ...]) -> bool:
-        from specshim.patches._transport.shared_states import HostRegion
+        from specshim.patches._transport.shared_states import region_of
 
-        region = getattr(self.worker, "_specshim_region", None)
-        if region is None:
-            region = self.worker._specshim_region = HostRegion()
-        row_bytes = state[:1].numel() * state.element_size()
-        self.stride = stride_of(self.rows, row_bytes)
+        self.row_bytes = state[:1].numel() * state.element_size()
+        self.stride = stride_of(self.rows, self.row_bytes)
+        region = region_of(self.worker)
         self.slab = region.reserve(self.stride * self.layers, pin=state.is_cuda)
         if self.slab is None or (state.is_cuda and not self.slab.pinned):
             self.slab = None  # an unpinned copy would stall the forward

@@ -340,6 +340,14 @@ class HostRegion:
         self.slabs = []
 
 
+def region_of(worker: Any) -> HostRegion:
+    """The worker's slabs, made on first use (they live as long as it does)."""
+    region = getattr(worker, "_specshim_region", None)
+    if region is None:
+        region = worker._specshim_region = HostRegion()
+    return region
+
+
 class _Ahead(threading.Thread):
     """A slab made (and pinned on ``device``) on a thread of its own while the
     GPU computes the next call. Where that fails, ``slab`` stays None and

@@ -52,6 +52,7 @@ from specshim.patches._transport.shared_states import (
     HostRegion,
     OwnedRows,
     SharedStates,
+    region_of,
 )
 from specshim.patches._transport.slab import HEADER
 
@@ -143,11 +144,10 @@ def send(worker: Any, captured: list[list[Any]], pieces: list[Piece]) -> Any:
     first = captured[0][0]
     total = sum(n for _, _, n in pieces)
     row_shape = tuple(first.shape[1:])
-    layer_bytes = total * first[:1].numel() * first.element_size()
-    stride = stride_of(total, first[:1].numel() * first.element_size())
-    region = getattr(worker, "_specshim_region", None)
-    if region is None:
-        region = worker._specshim_region = HostRegion()
+    row_bytes = first[:1].numel() * first.element_size()
+    layer_bytes = total * row_bytes
+    stride = stride_of(total, row_bytes)
+    region = region_of(worker)
     slab = region.reserve(stride * len(captured), pin=first.is_cuda)
     if slab is None:
         return [OwnedRows(_gathered(layer, pieces).cpu()) for layer in captured]
