@@ -15,6 +15,11 @@ layer and sample, as ``generate()`` hands them over), on one disk:
   between checks of a flag): it holds the GIL most of the time, which the
   pool's threads need between their system calls.
 
+And the other way round: a thread that needs the GIL all the time (as
+``extract``'s main thread does between vLLM's steps) counts beside the
+writer, and its rate over its rate alone is the share of the GIL the writer
+leaves it, with the files written by ``torch_file`` and by ``torch.save``.
+
 Each is timed from the first byte to the last file renamed (or closed), into
 the page cache (no fsync of the data files: a file is done when the manifest
 describes it, see docs/output.md). GB/s counts the states' bytes only.
@@ -151,6 +156,45 @@ def _spin(stop: threading.Event) -> None:
             os.sched_yield()
 
 
+def _count(stop: threading.Event, counted: list[float]) -> None:
+    """Python work that needs the GIL all the time, as extract's main thread
+    does between vLLM's steps (scheduling, taking replies): its rate."""
+    began, k = time.perf_counter(), 0
+    while not stop.is_set():
+        k += 1
+    counted.append(k / (time.perf_counter() - began))
+
+
+def main_thread_share(pairs: list[Any], out: Path, torch_save: bool) -> float:
+    """The rate a GIL-bound thread keeps while extract's writer writes every
+    sample, over its rate alone: 1.0 is a writer that leaves the GIL free.
+    ``torch_save``: the files through torch.save itself, as before
+    ``torch_file``."""
+    from specshim.job.extract import torch_file
+
+    def rate(work: Any) -> float:
+        stop, counted = threading.Event(), []
+        thread = threading.Thread(target=_count, args=(stop, counted))
+        thread.start()
+        try:
+            work()
+        finally:
+            stop.set()
+            thread.join()
+        return counted[0]
+
+    saved = list(torch_file._FALLBACK)
+    if torch_save:
+        torch_file._FALLBACK[:] = ["bench-writer: torch.save"]
+    try:
+        beside = rate(lambda: write_with_writer(pairs, out))
+    finally:
+        torch_file._FALLBACK[:] = saved
+    shutil.rmtree(out, ignore_errors=True)
+    alone = rate(lambda: time.sleep(0.5))
+    return beside / alone
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from specshim.job.extract.writer import writers
 
@@ -183,6 +227,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{label}: {found[label]} GB/s", flush=True)
     for label in list(runs)[1:]:
         found[f"{label} / plain"] = round(found[label] / found["plain"], 3)
+    for label, torch_save in (("torch_file", False), ("torch.save", True)):
+        best = max(
+            main_thread_share(pairs, args.dir / "run", torch_save)
+            for _ in range(args.passes)
+        )
+        found[f"main thread's share, {label}"] = round(best, 3)
+        print(f"a GIL-bound main thread's rate beside it, {label}: {best:.3f} of idle")
     return found
 
 
@@ -201,9 +252,24 @@ def render(found: dict[str, Any]) -> str:
         f"{found['threads']} threads on {found['cpus']} CPUs; best of "
         f"{found['passes']} passes.\n\n"
         f"Plain write of the same bytes, one thread: {found['plain']} GB/s.\n\n"
-        "| extract's writer | GB/s | ÷ plain |\n|---|---:|---:|\n"
+        + _shares(found)
+        + "| extract's writer | GB/s | ÷ plain |\n|---|---:|---:|\n"
         f"{rows}\n\n"
         f"Host: {found.get('host', 'unknown')}; {found.get('date', '')}.\n"
+    )
+
+
+def _shares(found: dict[str, Any]) -> str:
+    """The main thread's share line (results from before it have none)."""
+    ours = found.get("main thread's share, torch_file")
+    theirs = found.get("main thread's share, torch.save")
+    if ours is None or theirs is None:
+        return ""
+    return (
+        "A thread that needs the GIL all the time (extract's main thread "
+        "between vLLM's steps) keeps "
+        f"{ours} of its idle rate while the writer writes (torch_file), "
+        f"{theirs} when the files go through torch.save.\n\n"
     )
 
 

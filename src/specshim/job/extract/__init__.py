@@ -11,6 +11,8 @@ Rooms:
   stops.
 * ``writer``: each batch's files, written on threads and committed to the
   manifest in order.
+* ``torch_file``: ``torch.save``'s bytes, written with the GIL free for the
+  main thread (the first file of each shape checked against torch.save).
 * ``startup``: progress lines while vLLM starts.
 * ``prefixes``: which samples share full KV blocks, the order that runs them
   together and the rows their reuse holds.
