@@ -105,13 +105,25 @@ TIMING_KEYS = (
 )
 
 
+# Its line on the generate() calls: the first (warm-up), the median, the slowest.
+_CALLS = re.compile(
+    r"its \d+ generate\(\) calls took ([\d.]+) s \(the first\), ([\d.]+) s "
+    r"\(the median\), ([\d.]+) s \(the slowest\)"
+)
+CALL_KEYS = ("generate_first", "generate_median", "generate_slowest")
+
+
 def extract_timing(log: str) -> dict[str, Any] | None:
     """Where an ``extract`` run's time went, from its log; None without the
-    line."""
+    line. With the calls' line, their first, median and slowest seconds."""
     found = _TIMING.search(log)
     if not found:
         return None
-    return dict(zip(TIMING_KEYS, map(float, found.groups()), strict=True))
+    timing = dict(zip(TIMING_KEYS, map(float, found.groups()), strict=True))
+    calls = _CALLS.search(log)
+    if calls:
+        timing |= dict(zip(CALL_KEYS, map(float, calls.groups()), strict=True))
+    return timing
 
 
 def timing_sentence(label: str, timing: dict[str, Any]) -> str:
@@ -123,4 +135,11 @@ def timing_sentence(label: str, timing: dict[str, Any]) -> str:
         f"{timing['writer_serializing']} s for its {int(timing['threads'])} "
         f"threads' files, committed {timing['writer_committing']} s and "
         f"waited for batches {timing['writer_idle']} s"
+        + (
+            f"; a generate() call took {timing['generate_first']} s first, "
+            f"{timing['generate_median']} s at the median and "
+            f"{timing['generate_slowest']} s at the slowest"
+            if "generate_first" in timing
+            else ""
+        )
     )

@@ -65,7 +65,12 @@ def test_the_benches_read_where_extracts_time_went_from_its_own_line(bench, capl
         written=3, tokens=30, idle=2.5, threads=8, serializing=0.25, committing=0.5
     )
     pipeline = SimpleNamespace(
-        began=0.0, ended=10.0, first_generate=2.0, generating=6.5, handing=0.25
+        began=0.0,
+        ended=10.0,
+        first_generate=2.0,
+        generating=6.5,
+        handing=0.25,
+        calls=[2.25, 1.0, 1.5, 1.0, 0.75],
     )
     with caplog.at_level(logging.INFO, logger="specshim.job.extract.command"):
         _Pipeline._counts(pipeline, writer)
@@ -78,7 +83,14 @@ def test_the_benches_read_where_extracts_time_went_from_its_own_line(bench, capl
         "threads": 8.0,
         "writer_serializing": 0.2,
         "writer_committing": 0.5,
+        "generate_first": 2.25,
+        "generate_median": 1.0,
+        "generate_slowest": 2.25,
     }
     assert bench("plan").extract_timing("extract: wrote 3 samples") is None
     where = bench("reuse_bench").where({"timing": timing})
     assert where.startswith("of extract's 8.0 s, generate() took 6.5 s")
+    assert where.endswith(
+        "a generate() call took 2.25 s first, 1.0 s at the median and 2.25 s "
+        "at the slowest"
+    )

@@ -155,6 +155,7 @@ class _Pipeline:
         self.began = time.monotonic()
         self.first_generate: float | None = None  # seconds from the start
         self.generating = self.handing = 0.0  # in generate(), in writer.put
+        self.calls: list[float] = []  # each generate() call's seconds
         self.ended = 0.0  # when the last file was committed
         self.reuse: reuse.Reuse | None = None  # --reuse-prefixes
 
@@ -229,6 +230,23 @@ class _Pipeline:
             writer.serializing,
             writer.committing,
         )
+        if self.calls:
+            # Warm-up (first-seen step shapes, slabs made) against the
+            # steady pace: the first call, the median, the slowest.
+            ordered = sorted(self.calls)
+            timing |= {
+                "generate_first": self.calls[0],
+                "generate_median": ordered[len(ordered) // 2],
+                "generate_slowest": ordered[-1],
+            }
+            logger.info(
+                "extract: its %d generate() calls took %.3f s (the first), "
+                "%.3f s (the median), %.3f s (the slowest)",
+                len(self.calls),
+                self.calls[0],
+                timing["generate_median"],
+                timing["generate_slowest"],
+            )
         return {
             "written": writer.written,
             "tokens": writer.tokens,
@@ -258,7 +276,8 @@ class _Pipeline:
             self.first_generate = time.monotonic() - self.began
         started = time.monotonic()
         results = _generate(self.generator, batch, self.writer)
-        self.generating += time.monotonic() - started
+        self.calls.append(time.monotonic() - started)
+        self.generating += self.calls[-1]
         if self.reuse is not None:
             self.reuse.after(self.generator, batch)
         if len(results) != len(batch):
