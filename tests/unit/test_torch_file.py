@@ -4,6 +4,7 @@ torch.save itself."""
 
 from __future__ import annotations
 
+import io
 import logging
 
 import pytest
@@ -140,3 +141,26 @@ def test_a_full_disk_is_the_callers(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         torch_file.save(_sample(3, 4, 1, torch.float32), tmp_path / "a.pt")
     assert not torch_file._FALLBACK
+
+
+def test_a_file_past_zips_limit_alone_goes_through_torch_save(tmp_path, monkeypatch):
+    """A sample past 4 GiB (here the limit made small) needs ZIP64 records:
+    torch.save writes that file, and the next is written here again."""
+    saved_by_torch = []
+    real_save = torch.save
+
+    def counting(obj, where, *args, **kwargs):
+        if not isinstance(where, io.BytesIO):  # not the layout's check
+            saved_by_torch.append(where)
+        return real_save(obj, where, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counting)
+    big, small = _sample(64, 8, 2, torch.float32), _sample(2, 8, 2, torch.float32)
+    monkeypatch.setattr(torch_file, "_LIMIT", 4096)  # 2,397 and 7,325 bytes
+    torch_file.save(big, tmp_path / "big.pt")
+    torch_file.save(small, tmp_path / "small.pt")
+    assert saved_by_torch == [tmp_path / "big.pt"]
+    assert not torch_file._FALLBACK
+    for name, data in (("big.pt", big), ("small.pt", small)):
+        loaded = torch.load(tmp_path / name, weights_only=True)
+        assert torch.equal(loaded["hidden_states"][1], data["hidden_states"][1])

@@ -13,13 +13,14 @@ from ``os.writev``, both of which release it.
 
 It takes the layout from torch, never assumes it: the first file of each
 shape of archive (the number of storages) is also made by ``torch.save`` in
-memory and compared byte for byte. Any difference, an archive past zip's
-4 GiB (ZIP64 records), a storage not in CPU memory, a torch whose ``_save``
+memory and compared byte for byte. Any difference, a torch whose ``_save``
 is not what this reads, or any other surprise while the archive is built
 sends that and every later file through ``torch.save`` itself, with one
-warning. Errors while writing the file (a full disk) are the caller's, as
-``torch.save``'s are. tests/unit/test_torch_file.py holds it to
-``torch.save``'s bytes for random samples and names.
+warning. A file past zip's 4 GiB (ZIP64 records) or with a storage not in
+CPU memory goes through ``torch.save`` alone. Errors while writing the file
+(a full disk) are the caller's, as ``torch.save``'s are.
+tests/unit/test_torch_file.py holds it to ``torch.save``'s bytes for random
+samples and names.
 
 The format, as torch 2.x writes it: records in order, each a local header
 (no sizes, data-descriptor flag), a ``FB`` extra field padded with ``Z`` so
@@ -53,6 +54,11 @@ class _UnsupportedError(Exception):
     """This object or file is left to ``torch.save``."""
 
 
+class _ThisFileError(_UnsupportedError):
+    """This file alone is left to ``torch.save`` (past 4 GiB, a storage not in
+    CPU memory): the next is written here again."""
+
+
 class _Records:
     """Stands in for torch's zip writer in ``_save``: keeps what it is given."""
 
@@ -74,7 +80,7 @@ def _storage_bytes(storage: Any, size: int) -> Any:
     import torch
 
     if storage.device.type != "cpu" or storage.nbytes() != size:
-        raise _UnsupportedError(f"a storage on {storage.device}")
+        raise _ThisFileError(f"a storage on {storage.device}")
     flat = torch.empty(0, dtype=torch.uint8)
     flat.set_(storage, 0, (size,))
     return flat.numpy()  # shares the storage's memory
@@ -181,7 +187,7 @@ def _archive(obj: Any, path: str) -> tuple[list[Any], int]:
         full = (prefix + name).encode()
         size = memoryview(data).nbytes
         if size >= _LIMIT or cursor >= _LIMIT:
-            raise _UnsupportedError("an archive past 4 GiB")
+            raise _ThisFileError("an archive past 4 GiB")
         extra = _pad(cursor, full, layout.alignment)
         # miniz writes an empty record with no data descriptor (flags: UTF-8)
         flags = 0x808 if size else 0x800
@@ -228,7 +234,7 @@ def _ending(directory: bytes, count: int, start: int) -> bytes:
     """The central directory, then the ZIP64 end record and locator (miniz
     writes them whatever the size), then the end record."""
     if start + len(directory) >= _LIMIT:
-        raise _UnsupportedError("an archive past 4 GiB")
+        raise _ThisFileError("an archive past 4 GiB")
     end64 = start + len(directory)
     return (
         directory
@@ -261,6 +267,8 @@ def save(obj: Any, path: Path) -> None:
             parts, storages = _archive(obj, os.fspath(path))
             if storages not in _CHECKED:
                 _check(obj, storages)
+        except _ThisFileError:
+            pass
         except Exception as exc:  # noqa: BLE001 - anything unproven: torch.save
             _fall_back(f"{type(exc).__name__}: {exc}")
         else:
