@@ -280,6 +280,7 @@ def main() -> int:
         model = "tiny DeepSeek-V3 (make bench's)"
     else:
         model = args.model_dir.name
+    args.results.mkdir(parents=True, exist_ok=True)  # --profile writes there first
     work = Path(tempfile.mkdtemp(prefix="bench-reuse-"))
     try:
         found = {k: measure(args, k, work) for k in args.datasets.split(",")}
@@ -292,7 +293,6 @@ def main() -> int:
         "runs_a_side": args.rounds * len(args.order) // 2,
         "datasets": found,
     }
-    args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / f"{args.name}.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
     text = markdown(results)
