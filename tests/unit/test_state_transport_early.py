@@ -270,3 +270,45 @@ def test_the_in_order_check_finds_what_match_runs_finds():
             )
         )
     assert said[True] > 50 and said[False] > 50
+
+
+def test_whole_runs_in_input_order_are_what_match_tails_finds():
+    """With the prefix cache on: random calls (a vocabulary of 3, so shared
+    prefixes, shared tails and duplicates abound), in input order or not,
+    split or not, some served a leading block. Where the fast path answers,
+    nothing was served and match_tails finds the same run for every sequence
+    or none (it refuses a run another sequence might have lent a tail, which
+    a whole run in input order cannot hold); never another run, never a
+    stray."""
+    import random
+
+    from specshim.patches._transport.rows import match_tails, whole_in_input_order
+
+    rng = random.Random(47)
+    said = {True: 0, False: 0}
+    for _ in range(300):
+        batch = [[rng.randrange(3) for _ in range(rng.randint(1, 6))] for _ in range(5)]
+        sent = [(s, 0) for s in batch]
+        if rng.random() < 0.5:
+            rng.shuffle(sent)
+        if rng.random() < 0.3:  # the cache served someone's first block of 2
+            at = rng.randrange(len(sent))
+            if len(sent[at][0]) > 2:
+                sent[at] = (sent[at][0], 2)
+        ids = torch.tensor([t for s, k in sent for t in s[k:]])
+        positions = torch.tensor([p for s, k in sent for p in range(k, len(s))])
+        total = len(ids)
+        cut = rng.randint(1, total - 1) if rng.random() < 0.5 else total
+        rows = [cut, total - cut] if cut < total else [total]
+        fast = whole_in_input_order(batch, ids, positions, rows)
+        said[fast is not None] += 1
+        if fast is None:
+            continue
+        assert all(k == 0 for _, k in sent)
+        # (match_tails raising here fails the test: it refuses what the fast
+        # path accepted)
+        found, strays, _ = match_tails(batch, ids, positions, rows, 2)
+        assert not strays
+        for mine, theirs in zip(fast, found, strict=True):
+            assert theirs is None or theirs == mine
+    assert said[True] > 50 and said[False] > 50

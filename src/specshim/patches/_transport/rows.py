@@ -112,6 +112,23 @@ def in_input_order(
     return bool(np.isin(np.cumsum(rows), ends).all())
 
 
+def whole_in_input_order(
+    sequences: list[Any], token_ids: Any, positions: Any, rows: list[int]
+) -> list[tuple[int, int, int] | None] | None:
+    """``match_tails``' runs where every sequence was computed whole, one
+    after another in input order (``in_input_order``), in a sixth of its
+    time; None otherwise. Sound with the prefix cache on: the rows are as
+    many as the sequences' tokens, so no request was served any (the cache
+    serves a request's leading blocks, which it then does not compute), and
+    each run is one request from position 0 with the sequence's tokens."""
+    if not in_input_order(sequences, token_ids, positions, rows):
+        return None
+    import itertools
+
+    ends = itertools.accumulate(map(len, sequences))
+    return [(end - len(seq), end, 0) for end, seq in zip(ends, sequences, strict=True)]
+
+
 def match_runs(
     sequences: list[Any], token_ids: Any, positions: Any, rows: list[int]
 ) -> tuple[list[tuple[int, int] | None], list[tuple[int, int]]]:

@@ -62,6 +62,7 @@ from specshim.patches._transport.rows import (
     match_tails,
     misalignment,
     reorder,
+    whole_in_input_order,
 )
 from specshim.patches._transport.threads import lent_threads
 from specshim.patches.main import request_args
@@ -270,7 +271,9 @@ def _stitched(
     salted = {i for i, ids in enumerate(sequences) if digest(ids) in store.whole}
     results, record = _call(self, original, token_ids, sequences, salted)
     ids, positions, rows = checked_record(record)
-    found, _, _ = match_tails(sequences, ids, positions, rows, block)
+    found = whole_in_input_order(sequences, ids, positions, rows)
+    if found is None:
+        found, _, _ = match_tails(sequences, ids, positions, rows, block)
     # Runs no sequence owns, and sequences whose tail another head shares,
     # are in no ``found`` entry: their rows are never used.
     capture = Capture([r["hidden_states"] for r in results])
