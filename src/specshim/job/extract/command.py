@@ -154,7 +154,7 @@ class _Pipeline:
         self.published = False
         self.began = time.monotonic()
         self.first_generate: float | None = None  # seconds from the start
-        self.generating = self.handing = 0.0  # in generate(), in writer.put
+        self.handing = 0.0  # in writer.put
         self.calls: list[float] = []  # each generate() call's seconds
         self.ended = 0.0  # when the last file was committed
         self.reuse: reuse.Reuse | None = None  # --reuse-prefixes
@@ -210,8 +210,9 @@ class _Pipeline:
         the run's own profile, first thing to read when it is slow)."""
         assert self.first_generate is not None
         seconds = self.ended - self.began - self.first_generate
+        generating = sum(self.calls)
         timing = {
-            "generate": self.generating,
+            "generate": generating,
             "waiting_for_writer": self.handing,
             "writer_idle": writer.idle,
             "writer_serializing": writer.serializing,
@@ -223,7 +224,7 @@ class _Pipeline:
             "batches %.1f s, for its %d threads' files %.1f s, and committed "
             "%.1f s",
             seconds,
-            self.generating,
+            generating,
             self.handing,
             writer.idle,
             writer.threads,
@@ -277,7 +278,6 @@ class _Pipeline:
         started = time.monotonic()
         results = _generate(self.generator, batch, self.writer)
         self.calls.append(time.monotonic() - started)
-        self.generating += self.calls[-1]
         if self.reuse is not None:
             self.reuse.after(self.generator, batch)
         if len(results) != len(batch):

@@ -114,7 +114,7 @@ def in_input_order(
 
 def whole_in_input_order(
     sequences: list[Any], token_ids: Any, positions: Any, rows: list[int]
-) -> list[tuple[int, int, int] | None] | None:
+) -> list[tuple[int, int, int]] | None:
     """``match_tails``' runs where every sequence was computed whole, one
     after another in input order (``in_input_order``), in a sixth of its
     time; None otherwise. Sound with the prefix cache on: the rows are as

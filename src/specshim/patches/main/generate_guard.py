@@ -44,7 +44,6 @@ Remove when:
 
 from __future__ import annotations
 
-import itertools
 import logging
 import re
 from typing import Any
@@ -57,7 +56,6 @@ from specshim.patches._transport.prefix_rows import Capture, keep, stitch
 from specshim.patches._transport.rows import (
     CAUSES,
     checked_record,
-    in_input_order,
     match_runs,
     match_tails,
     misalignment,
@@ -119,8 +117,9 @@ def prove_rows(sequences: list[Any], record: dict[str, Any]) -> list[int]:
     naming what is missing, duplicated or unprovable.
     """
     token_ids, positions, rows = checked_record(record)
-    if in_input_order(sequences, token_ids, positions, rows):
-        return [0, *itertools.accumulate(len(ids) for ids in sequences[:-1])]
+    whole = whole_in_input_order(sequences, token_ids, positions, rows)
+    if whole is not None:
+        return [start for start, _, _ in whole]
     found, strays = match_runs(sequences, token_ids, positions, rows)
     missing = [i for i, run in enumerate(found) if run is None]
     if missing or strays:
