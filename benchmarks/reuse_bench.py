@@ -116,6 +116,11 @@ def run(
     served = re.search(r"prefix reuse served (\d+) of (\d+) tokens", done.stderr)
     if served:
         found["served_tokens"] = int(served.group(1))
+    copying = re.search(
+        r"prefix reuse: (the main process put served rows .*)", done.stderr
+    )
+    if copying:  # the stitching's seconds, bytes and page faults
+        found["copying"] = copying.group(1)
     timing = extract_timing(done.stderr)
     if timing:
         found["timing"] = timing
@@ -141,7 +146,8 @@ def profiled(args: argparse.Namespace, kind: str, data: Path, work: Path) -> Non
     shutil.rmtree(work / "out-profile", ignore_errors=True)
     text = args.results / f"{args.name}-{kind}.profile.txt"
     with text.open("w") as sink:
-        sink.write(f"{found['line']}\n{where(found)}\n\n")
+        copying = found.get("copying", "")
+        sink.write(f"{found['line']}\n{where(found)}\n{copying}\n\n")
         pstats.Stats(str(stats), stream=sink).sort_stats("tottime").print_stats(30)
         # Start-up dominates the above; what the calls themselves cost:
         sink.write("\nspecshim's and speculators' own functions, by cumulative time:\n")
@@ -196,6 +202,8 @@ def measure(args: argparse.Namespace, kind: str, work: Path) -> dict[str, Any]:
             runs[reuse].append(found)
             log(f"{kind} {block + 1}/{args.rounds} reuse={reuse}: {found['line']}")
             log(f"{kind} {block + 1}/{args.rounds} reuse={reuse}: {where(found)}")
+            if "copying" in found:
+                log(f"{kind} {block + 1}/{args.rounds}: {found['copying']}")
         if block == 0:  # each side's last files of the block
             agreement = compare(work / "out-0", work / "out-1", len(seqs))
     for reuse in (False, True):

@@ -145,6 +145,13 @@ class PrefixRows:
         self.computed_tokens = 0  # rows the capture held
         self.recomputed = 0  # sequences computed whole after a miss
         self.refused_bytes = 0  # rows not kept: over the cap
+        # The main process's own work on served rows, where a GPU run's time
+        # goes (``patches/_transport/prefix_rows``): seconds putting them back
+        # (``stitch``) and keeping blocks (``keep``), bytes copied for both,
+        # and the page faults this process took meanwhile (fresh memory is
+        # mapped in page by page).
+        self.stitch_seconds = self.keep_seconds = 0.0
+        self.copied_bytes = self.faults = 0
         self.rows_of: tuple[Any, ...] | None = None  # (layers' width, dtype)
 
     def bind(self, layers: list[Any]) -> None:
@@ -208,6 +215,7 @@ class PrefixRows:
                 continue
             rows = [h[j * block_size : (j + 1) * block_size].clone() for h in layers]
             size = sum(r.numel() * r.element_size() for r in rows)
+            self.copied_bytes += size
             if recent:
                 self._room(size, keep=set(hashes))
             if self.held_bytes + size > self.cap_bytes:

@@ -12,7 +12,7 @@ import torch
 
 from specshim._base import UsageError
 from specshim._prefix_reuse import PrefixRows, chain, default_store, digest
-from specshim.patches._transport.prefix_rows import Capture, stitch
+from specshim.patches._transport.prefix_rows import Capture, keep, stitch
 
 B = 4  # block size
 LAYERS = 2
@@ -240,16 +240,26 @@ def test_rows_are_copied_at_most_once_and_a_whole_piece_not_at_all():
     capture = Capture(_cut(stacked, [len(a), len(b), len(c)]))
     ra, rb = len(a), len(a) + len(b) - 2 * B
     found = [(0, ra, 0), (ra, rb, 2 * B), (rb, rb + len(c), 0)]
-    out = stitch([a, b, c], capture, found, B, PrefixRows(0))
+    uses = {h: 3 for h in chain(shared, B)}  # a, b and one sample to come
+    store = PrefixRows(1 << 20, uses=uses)
+    out = stitch([a, b, c], capture, found, B, store)
     assert out[0] is not None and out[1] is not None and out[2] is not None
     for n in range(LAYERS):
         assert out[0][n].data_ptr() == capture.pieces[0][n].data_ptr()  # no copy
         assert torch.equal(out[1][n], torch.cat([runs[0][n][: 2 * B], runs[1][n]]))
         assert torch.equal(out[2][n], runs[2][n])  # spans b's and c's pieces
     _assert_own_storage(out)
+    # The copies are counted, and only they: b whole (served rows and tail),
+    # c across two pieces; a's piece is no copy.
+    row = 3 * 4  # 3 floats a row
+    assert store.copied_bytes == LAYERS * (len(b) + len(c)) * row
+    assert store.stitch_seconds > 0 and store.faults >= 0
     inside = capture.owned(1, 3)  # within a's piece: a copy, not a view
     assert inside[0].data_ptr() != capture.pieces[0][0][1:].data_ptr()
     _assert_own_storage([inside])
+    keep([a, b, c], out, B, store, [chain(x, B) for x in (a, b, c)])
+    assert store.copied_bytes == LAYERS * (len(b) + len(c) + 2 * B) * row
+    assert store.keep_seconds > 0
 
 
 def test_reading_the_cut_pieces_gives_what_reading_the_stacked_rows_gives():

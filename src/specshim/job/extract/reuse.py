@@ -48,6 +48,10 @@ class Reuse:
             "cap_bytes": store.cap_bytes,
             "cut": len(self.plan.cut),
             "recomputed": sorted(self.recomputed),
+            "stitch_seconds": round(store.stitch_seconds, 3),
+            "keep_seconds": round(store.keep_seconds, 3),
+            "copied_bytes": store.copied_bytes,
+            "faults": store.faults,
         }
         logger.info(
             "extract: prefix reuse served %d of %d tokens from the cache (%.0f%%; "
@@ -58,6 +62,17 @@ class Reuse:
             self.plan.reused_tokens,
             store.peak_bytes / MIB,
             store.cap_bytes / MIB,
+        )
+        copying = store.stitch_seconds + store.keep_seconds
+        logger.info(
+            "extract: prefix reuse: the main process put served rows back in "
+            "%.2f s and kept blocks in %.2f s, copying %.2f GB (%.1f GB/s; %d page "
+            "faults meanwhile)",
+            store.stitch_seconds,
+            store.keep_seconds,
+            store.copied_bytes / 1e9,
+            store.copied_bytes / 1e9 / copying if copying else 0.0,
+            store.faults,
         )
         if self.recomputed:
             shown = ", ".join(str(i) for i in sorted(self.recomputed)[:10])

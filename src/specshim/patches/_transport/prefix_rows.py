@@ -13,7 +13,10 @@ end.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable, Sequence
+import contextlib
+import resource
+import time
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 from specshim._prefix_reuse import PrefixRows, chain
@@ -42,6 +45,20 @@ def stitch(
     into the store.
     """
     store.bind(capture.layers)
+    with accounted(store, "stitch_seconds"):
+        complete = _stitch(sequences, capture, found, block_size, store, chains)
+    store.copied_bytes += capture.copied
+    return complete
+
+
+def _stitch(
+    sequences: list[Sequence[int]],
+    capture: Capture,
+    found: list[tuple[int, int, int] | None],
+    block_size: int,
+    store: PrefixRows,
+    chains: list[list[Hashable]] | None,
+) -> list[list[Any] | None]:
     call = _Call(sequences, block_size, store, chains)
     # A served block was computed by a sequence served less: fewest first.
     ran = [i for i, run in enumerate(found) if run is not None]
@@ -73,9 +90,29 @@ def keep(
     threads vLLM leaves this process none of)."""
     for ids, hashes in zip(sequences, chains, strict=True):
         store.done(ids, block_size, hashes)
-    with lent_threads():
+    with lent_threads(), accounted(store, "keep_seconds"):
         for ids, states, hashes in zip(sequences, complete, chains, strict=True):
             store.offer(ids, states, block_size, hashes)
+
+
+@contextlib.contextmanager
+def accounted(store: PrefixRows, seconds: str) -> Iterator[None]:
+    """Add the block's time to ``store``'s counter ``seconds``, and the page
+    faults this process took meanwhile to ``store.faults`` (the copies'
+    threads are this process's: their faults count, the workers' do not)."""
+    faults = _faults()
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        setattr(store, seconds, getattr(store, seconds) + time.perf_counter() - started)
+        store.faults += _faults() - faults
+
+
+def _faults() -> int:
+    """This process's page faults so far (minor and major)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
 
 
 class _Call:
@@ -124,6 +161,7 @@ class _Call:
                 torch.cat([*(head[n] for head in heads), *parts])
                 for n, parts in enumerate(tail)
             ]
+            self.store.copied_bytes += sum(_nbytes(t) for t in tail)
         self.out[i] = tail
         self.store.served_tokens += served
         self.store.computed_tokens += ran
@@ -155,6 +193,7 @@ class Capture:
             self.starts.append(total)
             total += piece[0].shape[0]
         self.rows = total
+        self.copied = 0  # bytes ``owned`` copied
 
     def views(self, start: int, end: int) -> list[list[Any]]:
         """Rows ``[start, end)``: per layer, views of the pieces they span."""
@@ -186,10 +225,16 @@ class Capture:
             return list(self.pieces[at])
         import torch
 
-        return [
+        rows = [
             parts[0].clone() if len(parts) == 1 else torch.cat(parts)
             for parts in self.views(start, end)
         ]
+        self.copied += sum(map(_nbytes, rows))
+        return rows
+
+
+def _nbytes(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _alone(tensor: Any) -> bool:
