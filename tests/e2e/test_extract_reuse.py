@@ -108,6 +108,12 @@ def test_reused_rows_match_hf_and_the_run_without(
     )
     got, expected = served(run.stderr)
     assert got == expected > 0, run.stderr[-3000:]
+    # What putting served rows back cost the main process, said once.
+    assert re.search(
+        r"put served rows back in \d+\.\d\d s and kept blocks in \d+\.\d\d s, "
+        r"copying \d+\.\d\d GB \([\d.]+ GB/s; \d+ page faults",
+        run.stderr,
+    ), run.stderr[-3000:]
     assert_every_row_matches(reused, rows, hf_reference(model))
     low, _ = agreement(plain, reused, len(rows))
     # The same tokens at the same positions after the same prefix: only bf16
