@@ -19,6 +19,9 @@ Rooms:
 * ``prefix_rows``: with prefix caching on, each sequence's served rows put
   back in front of its tail, from the same call or the store of
   ``specshim._prefix_reuse`` (``generate-guard``).
+* ``row_arena``: the main process's memory those joined rows go into, kept
+  mapped and written again only once the caller lets go of every tensor
+  over it (the slabs' rule, for memory no worker sees).
 * ``threads``: the main process's copies on more than one core, where the
   states are copied after all.
 

@@ -59,7 +59,9 @@ def _stitch(
     store: PrefixRows,
     chains: list[list[Hashable]] | None,
 ) -> list[list[Any] | None]:
-    call = _Call(sequences, block_size, store, chains)
+    call = _Call(
+        sequences, block_size, store, chains, _joins(sequences, capture, found)
+    )
     # A served block was computed by a sequence served less: fewest first.
     ran = [i for i, run in enumerate(found) if run is not None]
     for i in sorted(ran, key=lambda i: found[i][2]):  # type: ignore[index]
@@ -76,6 +78,29 @@ def _stitch(
             if heads is not None:
                 call.done(i, heads, [[] for _ in capture.layers], len(ids), 0)
     return call.out
+
+
+def _joins(
+    sequences: list[Sequence[int]],
+    capture: Capture,
+    found: list[tuple[int, int, int] | None],
+) -> Any:
+    """Room in ``row_arena`` for the rows of every sequence that may be
+    joined (served any block), or None (joins into fresh memory)."""
+    from specshim.patches._transport.row_arena import ALIGN, arena
+
+    if not capture.layers:
+        return None
+    joined = [
+        len(ids)
+        for ids, run in zip(sequences, found, strict=True)
+        if run is None or run[2] > 0
+    ]
+    if not joined:
+        return None
+    row = sum(_nbytes(layer[:1]) for layer in capture.layers)
+    slack = ALIGN * len(capture.layers) * len(joined)
+    return arena().lease(sum(joined) * row + slack)
 
 
 def keep(
@@ -125,8 +150,9 @@ class _Call:
         block_size: int,
         store: PrefixRows,
         chains: list[list[Hashable]] | None,
+        joins: Any = None,
     ) -> None:
-        self.block, self.store = block_size, store
+        self.block, self.store, self.joins = block_size, store, joins
         self.chains = chains or [chain(ids, block_size) for ids in sequences]
         self.out: list[list[Any] | None] = [None] * len(sequences)
         self.here: dict[Hashable, tuple[int, int]] = {}  # block -> (sequence, j)
@@ -154,11 +180,10 @@ class _Call:
         view per layer (or the views of the pieces it spans), copied once
         into the sequence's own storage; without, storage of its own
         already (``Capture.owned``)."""
-        import torch
 
         if heads:
             tail = [
-                torch.cat([*(head[n] for head in heads), *parts])
+                self._join([*(head[n] for head in heads), *parts])
                 for n, parts in enumerate(tail)
             ]
             self.store.copied_bytes += sum(_nbytes(t) for t in tail)
@@ -167,6 +192,15 @@ class _Call:
         self.store.computed_tokens += ran
         for j, block in enumerate(self.chains[i]):
             self.here.setdefault(block, (i, j))
+
+    def _join(self, parts: list[Any]) -> Any:
+        """``parts`` one after another, in the call's room in the arena where
+        it has some left, else in fresh memory."""
+        import torch
+
+        rows = sum(part.shape[0] for part in parts)
+        out = None if self.joins is None else self.joins.empty(rows, parts[0])
+        return torch.cat(parts) if out is None else torch.cat(parts, out=out)
 
 
 class Capture:
