@@ -140,6 +140,7 @@ class PrefixRows:
         self.uses = uses
         self.whole = whole or set()
         self.blocks: OrderedDict[Hashable, list[Any]] = OrderedDict()
+        self.group: dict[Hashable, _Group] = {}  # block -> the copy it is in
         self.held_bytes = self.peak_bytes = 0
         self.served_tokens = 0  # rows filled from cached blocks
         self.computed_tokens = 0  # rows the capture held
@@ -197,6 +198,11 @@ class PrefixRows:
     ) -> None:
         """Keep the blocks of a complete sequence that are still wanted.
 
+        With a plan, consecutive blocks that the same samples still share (as
+        many uses left: a later block's sharers are among an earlier one's)
+        are dropped together, so they are kept as one copy: a sequence served
+        them later joins one piece, not one a block.
+
         Without a plan (the most recent that fit), a block is kept only with
         the blocks before it in its chain, and a chain's blocks are marked
         used from its last to its first: the oldest block is then always one
@@ -205,29 +211,65 @@ class PrefixRows:
         after every block before it)."""
         if hashes is None:
             hashes = chain(ids, block_size)
-        recent = self.uses is None
-        if recent:
-            self._used(hashes)
+        if self.uses is not None:
+            self._offer_planned(hashes, layers, block_size, self.uses)
+            return
+        self._used(hashes)
         for j, block in enumerate(hashes):
-            if not recent and block not in self.uses:  # type: ignore[operator]
-                break
             if block in self.blocks:
                 continue
-            rows = [h[j * block_size : (j + 1) * block_size].clone() for h in layers]
-            size = sum(r.numel() * r.element_size() for r in rows)
-            self.copied_bytes += size
-            if recent:
-                self._room(size, keep=set(hashes))
-            if self.held_bytes + size > self.cap_bytes:
-                self.refused_bytes += size
-                if recent:
-                    break  # the blocks after it could never be served
+            size = self._block_bytes(layers, block_size)
+            self._room(size, keep=set(hashes))
+            if not self._keep(hashes[j : j + 1], layers, j, block_size):
+                break  # the blocks after it could never be served
+        self._used(hashes)
+
+    def _offer_planned(
+        self,
+        hashes: list[Hashable],
+        layers: list[Any],
+        block_size: int,
+        uses: dict[Hashable, int],
+    ) -> None:
+        j = 0
+        while j < len(hashes) and hashes[j] in uses:
+            if hashes[j] in self.blocks:
+                j += 1
                 continue
-            self.blocks[block] = rows
-            self.held_bytes += size
+            end, left = j + 1, uses[hashes[j]]
+            while (
+                end < len(hashes)
+                and uses.get(hashes[end]) == left
+                and hashes[end] not in self.blocks
+            ):
+                end += 1
+            self._keep(hashes[j:end], layers, j, block_size)
+            j = end
+
+    @staticmethod
+    def _block_bytes(layers: list[Any], block_size: int) -> int:
+        return sum(block_size * h[:1].numel() * h.element_size() for h in layers)
+
+    def _keep(
+        self, blocks: list[Hashable], layers: list[Any], first: int, block_size: int
+    ) -> bool:
+        """Keep ``blocks`` (the chain's blocks from number ``first`` on) as one
+        copy, as many of them as the cap allows; whether all were kept."""
+        each = self._block_bytes(layers, block_size)
+        room = max(self.cap_bytes - self.held_bytes, 0) // each if each else len(blocks)
+        count = min(len(blocks), room)
+        self.refused_bytes += (len(blocks) - count) * each
+        if count:
+            span = slice(first * block_size, (first + count) * block_size)
+            group = _Group([h[span].clone() for h in layers], count, count * each)
+            self.copied_bytes += group.nbytes
+            for n, block in enumerate(blocks[:count]):
+                rows = slice(n * block_size, (n + 1) * block_size)
+                self.blocks[block] = [h[rows] for h in group.rows]
+                self.group[block] = group
+            self.held_bytes += group.nbytes
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        if recent:
-            self._used(hashes)
+        return count == len(blocks)
 
     def _used(self, hashes: list[Hashable]) -> None:
         """Mark a chain's held blocks the most recent, its first block last."""
@@ -244,6 +286,20 @@ class PrefixRows:
             self._drop(oldest)
 
     def _drop(self, block: Hashable) -> None:
-        rows = self.blocks.pop(block, None)
-        if rows is not None:
-            self.held_bytes -= sum(r.numel() * r.element_size() for r in rows)
+        """Let go of ``block``; its copy's bytes once no block of it is held."""
+        if self.blocks.pop(block, None) is None:
+            return
+        group = self.group.pop(block)
+        group.held -= 1
+        if not group.held:
+            self.held_bytes -= group.nbytes
+
+
+class _Group:
+    """Consecutive blocks kept as one copy (per layer), and how many of them
+    are still held: its memory goes with the last."""
+
+    __slots__ = ("held", "nbytes", "rows")
+
+    def __init__(self, rows: list[Any], held: int, nbytes: int) -> None:
+        self.rows, self.held, self.nbytes = rows, held, nbytes

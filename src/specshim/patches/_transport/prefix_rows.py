@@ -198,9 +198,38 @@ class _Call:
         it has some left, else in fresh memory."""
         import torch
 
+        parts = merged(parts)
         rows = sum(part.shape[0] for part in parts)
         out = None if self.joins is None else self.joins.empty(rows, parts[0])
         return torch.cat(parts) if out is None else torch.cat(parts, out=out)
+
+
+def merged(parts: list[Any]) -> list[Any]:
+    """``parts`` with each run of pieces that lie one after another in the
+    same storage (consecutive blocks of one kept copy, or of the sequence of
+    the call that computed them) read as one piece: the same rows, in fewer
+    copies."""
+    out: list[Any] = []
+    for part in parts:
+        if out and _follows(out[-1], part):
+            last = out[-1]
+            shape = (last.shape[0] + part.shape[0], *last.shape[1:])
+            out[-1] = last.as_strided(shape, last.stride(), last.storage_offset())
+        else:
+            out.append(part)
+    return out
+
+
+def _follows(a: Any, b: Any) -> bool:
+    """Whether ``b``'s rows start where ``a``'s end, in the same storage."""
+    return (
+        a.is_contiguous()
+        and b.is_contiguous()
+        and a.dtype == b.dtype
+        and a.shape[1:] == b.shape[1:]
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+    )
 
 
 class Capture:
