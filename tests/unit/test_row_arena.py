@@ -128,3 +128,25 @@ def test_held_results_stay_intact_over_many_calls_and_free_regions_are_reused(
     assert len(arena.regions) == count
     for states, tail in zip(again, tails, strict=True):
         assert torch.equal(states[1], torch.cat([kept[1], tail[1]]))
+
+
+def test_a_closed_generator_leaves_no_free_region_mapped(monkeypatch):
+    """Closing a generator unmaps the free regions; one a caller still holds
+    stays (its tensors read it) and is unmapped at the next close."""
+    from specshim._closing import workers_gone
+
+    monkeypatch.setattr(row_arena, "_ARENA", [])
+    arena = row_arena.arena()
+    held = arena.lease(1000)
+    free = arena.lease(1000)
+    assert held is not None and free is not None
+    rows = held.empty(10, _like())
+    rows.fill_(3.0)
+    del held, free
+    assert len(arena.regions) == 2
+    workers_gone([])
+    assert len(arena.regions) == 1 and arena.regions[0].lent
+    assert torch.equal(rows, torch.full((10, 8), 3.0, dtype=torch.bfloat16))
+    del rows
+    workers_gone([])
+    assert not arena.regions

@@ -85,6 +85,12 @@ class Arena:
             region.lent = True
         return Joins(region)
 
+    def drop_free(self, _pids: Any = None) -> None:
+        """Unmap the regions no caller holds (a generator closed: its calls'
+        joins are not coming back); those still held stay until reused."""
+        with self.lock:
+            self.regions = [r for r in self.regions if r.lent]
+
 
 class Joins:
     """One call's hold on a region: tensors carved from it in order. When
@@ -120,7 +126,11 @@ _ARENA: list[Arena] = []
 
 
 def arena() -> Arena:
-    """This process's ``Arena``, made on first use."""
+    """This process's ``Arena``, made on first use; its free regions go when
+    a generator's workers do (``specshim.close``)."""
     if not _ARENA:
+        from specshim._closing import when_workers_gone
+
         _ARENA.append(Arena())
+        when_workers_gone(_ARENA[0].drop_free)
     return _ARENA[0]
