@@ -4,6 +4,8 @@ a region is written again only once every tensor over it is gone, so what
 
 from __future__ import annotations
 
+import mmap
+import os
 import random
 
 import torch
@@ -49,10 +51,11 @@ def test_room_runs_out_and_regions_are_bounded(monkeypatch):
     monkeypatch.setenv(row_arena.VARIABLE, "2")
     arena = row_arena.Arena()
     joins = arena.lease(1000)
-    assert joins is not None and joins.size == 4096  # 1,000 bytes and headroom
-    assert joins.empty(1000, _like(1)) is not None  # 2,000 bytes
-    assert joins.empty(1000, _like(1)) is not None  # from 2,048: 4,048
-    assert joins.empty(1, _like(1)) is None  # full: the caller joins elsewhere
+    assert joins is not None and joins.size == mmap.PAGESIZE  # 1,250 rounded up
+    half = joins.size // 2 // 2 - row_arena.ALIGN  # rows of 2 bytes
+    assert joins.empty(half, _like(1)) is not None
+    assert joins.empty(half, _like(1)) is not None  # from the next 64 bytes
+    assert joins.empty(joins.size // 2, _like(1)) is None  # no room: elsewhere
     held = [joins, arena.lease(1000)]
     assert held[1] is not None
     assert arena.lease(1000) is None  # two lent: fresh memory
@@ -150,3 +153,25 @@ def test_a_closed_generator_leaves_no_free_region_mapped(monkeypatch):
     del rows
     workers_gone([])
     assert not arena.regions
+
+
+def test_a_forked_childs_writes_never_reach_rows_handed_out_here():
+    """The regions are private: a child forked while a caller holds rows
+    (a DataLoader worker, multiprocessing) writes its own copy."""
+    arena = row_arena.Arena()
+    joins = arena.lease(4096)
+    assert joins is not None
+    rows = joins.empty(16, _like())
+    rows.fill_(1.0)
+    pid = os.fork()
+    if pid == 0:  # the child: write everything it can reach, then leave
+        try:
+            rows.fill_(2.0)
+            again = arena.lease(4096)
+            if again is not None:
+                again.empty(16, _like()).fill_(2.0)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0
+    assert torch.equal(rows, torch.ones(16, 8, dtype=torch.bfloat16))

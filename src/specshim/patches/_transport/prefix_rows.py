@@ -223,8 +223,8 @@ def merged(parts: list[Any]) -> list[Any]:
 def _follows(a: Any, b: Any) -> bool:
     """Whether ``b``'s rows start where ``a``'s end, in the same storage."""
     return (
-        a.is_contiguous()
-        and b.is_contiguous()
+        _packed(a)
+        and _packed(b)
         and a.dtype == b.dtype
         and a.shape[1:] == b.shape[1:]
         and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -294,6 +294,15 @@ class Capture:
         ]
         self.copied += sum(map(_nbytes, rows))
         return rows
+
+
+def _packed(tensor: Any) -> bool:
+    """Rows of at least one, each right after the one before: a span of
+    more of them (``as_strided`` with its strides) reads the rows after it.
+    ``is_contiguous`` alone passes a single row of any stride."""
+    if tensor.dim() < 1 or tensor.shape[0] == 0 or not tensor.is_contiguous():
+        return False
+    return tensor.stride(0) == tensor[0].numel()
 
 
 def _nbytes(tensor: Any) -> int:

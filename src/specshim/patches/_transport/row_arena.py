@@ -44,7 +44,10 @@ class _Region:
     """One anonymous mapping, free or lent to one call."""
 
     def __init__(self, size: int) -> None:
-        self.mapping = mmap.mmap(-1, size)
+        # Private: a forked child writes its own copy of the pages, never
+        # rows this process handed out (and THP applies, as it does not to
+        # shared memory by default).
+        self.mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
         advise = getattr(mmap, "MADV_HUGEPAGE", None)
         if advise is not None:
             try:  # fewer, larger faults on first use where the kernel allows it
@@ -83,7 +86,11 @@ class Arena:
                 region = _Region(size)
                 self.regions.append(region)
             region.lent = True
-        return Joins(region)
+        try:
+            return Joins(region)
+        except BaseException:
+            region.lent = False  # nothing was handed out over it
+            raise
 
     def drop_free(self, _pids: Any = None) -> None:
         """Unmap the regions no caller holds (a generator closed: its calls'
