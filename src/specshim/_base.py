@@ -17,9 +17,11 @@ __all__ = [
     "SpecShimWarning",
     "UsageError",
     "SHM_LIMIT",
+    "STITCH_REGIONS",
     "WRITER_THREADS",
     "pid_alive",
     "shm_limit",
+    "stitch_regions",
     "writer_threads",
 ]
 
@@ -107,6 +109,22 @@ def writer_threads() -> int | None:
         WRITER_THREADS,
         1,
         "how many threads write extract's files, a whole number of at least 1",
+    )
+
+
+# How many calls' joined rows the main process keeps memory mapped for, with
+# the prefix cache on (patches/_transport/row_arena.py).
+STITCH_REGIONS = "SPECSHIM_STITCH_REGIONS"
+
+
+def stitch_regions() -> int | None:
+    """``SPECSHIM_STITCH_REGIONS``: how many regions the joins of served rows
+    may keep (0: none, every join in fresh memory); None where it is not set
+    (``row_arena.REGIONS``)."""
+    return _whole_number(
+        STITCH_REGIONS,
+        0,
+        "how many calls' joined rows to keep memory for, a whole number (0: none)",
     )
 
 

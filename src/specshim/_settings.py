@@ -31,7 +31,13 @@ import sys
 import threading
 
 from specshim import _hooks
-from specshim._base import GENERATOR, SpecShimError, UsageError, shm_limit
+from specshim._base import (
+    GENERATOR,
+    SpecShimError,
+    UsageError,
+    shm_limit,
+    stitch_regions,
+)
 from specshim._knobs import BY_NAME as _BY_NAME
 from specshim._knobs import DEFAULT_BATCH_SIZE as DEFAULT_BATCH_SIZE  # re-exported
 from specshim._knobs import GPU_STEP_DEFAULTS as GPU_STEP_DEFAULTS  # re-exported
@@ -298,10 +304,11 @@ def require_valid_environment() -> None:
     with _lock:
         refused = [_chosen.get(knob.name) for knob in KNOBS]
     errors = [value.message for value in refused if isinstance(value, Refused)]
-    try:
-        shm_limit()  # read in the workers; refused here first, in one line
-    except UsageError as exc:
-        errors.append(str(exc))
+    for read in (shm_limit, stitch_regions):  # read later; refused here first
+        try:
+            read()
+        except UsageError as exc:
+            errors.append(str(exc))
     if errors:
         raise UsageError("; ".join(errors))
 

@@ -8,8 +8,10 @@ import mmap
 import os
 import random
 
+import pytest
 import torch
 
+from specshim._base import STITCH_REGIONS, UsageError
 from specshim._prefix_reuse import PrefixRows, chain
 from specshim.patches._transport import row_arena
 from specshim.patches._transport.prefix_rows import Capture, stitch
@@ -48,7 +50,7 @@ def test_a_region_is_lent_again_only_once_every_tensor_over_it_is_gone():
 
 
 def test_room_runs_out_and_regions_are_bounded(monkeypatch):
-    monkeypatch.setenv(row_arena.VARIABLE, "2")
+    monkeypatch.setenv(STITCH_REGIONS, "2")
     arena = row_arena.Arena()
     joins = arena.lease(1000)
     assert joins is not None and joins.size == mmap.PAGESIZE  # 1,250 rounded up
@@ -63,8 +65,11 @@ def test_room_runs_out_and_regions_are_bounded(monkeypatch):
     bigger = arena.lease(50_000)  # both free, both too small: one replaced
     assert bigger is not None and bigger.size >= 50_000
     assert len(arena.regions) == 2
-    monkeypatch.setenv(row_arena.VARIABLE, "0")
+    monkeypatch.setenv(STITCH_REGIONS, "0")
     assert row_arena.Arena().lease(1000) is None
+    monkeypatch.setenv(STITCH_REGIONS, "four")  # a typo is no default
+    with pytest.raises(UsageError, match="SPECSHIM_STITCH_REGIONS=four: give"):
+        row_arena.Arena().lease(1000)
 
 
 def _inside(tensor: torch.Tensor, arena: row_arena.Arena) -> bool:

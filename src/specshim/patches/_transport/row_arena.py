@@ -21,23 +21,24 @@ held, joins into fresh memory instead, which is the caller's alone too.
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 import weakref
 from typing import Any
 
+from specshim._base import stitch_regions
 from specshim.patches._transport.handed_states import _Lease
 
 REGIONS = 4  # mappings kept; a caller holding more calls gets fresh memory
 ALIGN = 64  # each tensor's first byte, for the copies' vector loads
 _GROW = 1.25  # headroom, so slowly rising call sizes do not remap often
-VARIABLE = "SPECSHIM_STITCH_REGIONS"  # how many to keep; 0: none (fresh memory)
 
 
 def regions() -> int:
-    """``REGIONS``, or ``SPECSHIM_STITCH_REGIONS`` where set to a whole number."""
-    value = os.environ.get(VARIABLE, "").strip()
-    return int(value) if value.isdigit() else REGIONS
+    """``REGIONS``, or ``SPECSHIM_STITCH_REGIONS`` where set (0: none, fresh
+    memory); a value that is no whole number is refused
+    (``_base.stitch_regions``)."""
+    chosen = stitch_regions()
+    return REGIONS if chosen is None else chosen
 
 
 class _Region:
