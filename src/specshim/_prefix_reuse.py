@@ -215,10 +215,10 @@ class PrefixRows:
             self._offer_planned(hashes, layers, block_size, self.uses)
             return
         self._used(hashes)
+        size = self._block_bytes(layers, block_size)
         for j, block in enumerate(hashes):
             if block in self.blocks:
                 continue
-            size = self._block_bytes(layers, block_size)
             self._room(size, keep=set(hashes))
             if not self._keep(hashes[j : j + 1], layers, j, block_size):
                 break  # the blocks after it could never be served

@@ -10,6 +10,7 @@ re-sliced there (``reorder``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import defaultdict, deque
 from typing import Any
@@ -123,8 +124,6 @@ def whole_in_input_order(
     each run is one request from position 0 with the sequence's tokens."""
     if not in_input_order(sequences, token_ids, positions, rows):
         return None
-    import itertools
-
     ends = itertools.accumulate(map(len, sequences))
     return [(end - len(seq), end, 0) for end, seq in zip(ends, sequences, strict=True)]
 
