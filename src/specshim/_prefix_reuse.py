@@ -127,7 +127,11 @@ class PrefixRows:
 
     ``uses``: block -> samples left that share it (from the plan); None keeps
     the most recent blocks that fit. ``whole``: digests of sequences to be
-    computed whole, never served (the plan's cut). Counters say what it did.
+    computed whole, never served (the plan's cut). ``pieces``: a sequence
+    served rows is handed as a ``Joined`` per layer (its pieces, not copied
+    into one tensor; ``specshim/_joined.py``), for a caller that writes
+    them as they are (``extract``'s writer); otherwise as tensors, as
+    speculators' ``generate()`` returns. Counters say what it did.
     """
 
     def __init__(
@@ -135,8 +139,10 @@ class PrefixRows:
         cap_bytes: int,
         uses: dict[Hashable, int] | None = None,
         whole: set[bytes] | None = None,
+        pieces: bool = False,
     ) -> None:
         self.cap_bytes = cap_bytes
+        self.pieces = pieces
         self.uses = uses
         self.whole = whole or set()
         self.blocks: OrderedDict[Hashable, list[Any]] = OrderedDict()

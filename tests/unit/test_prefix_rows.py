@@ -217,7 +217,7 @@ def test_a_store_never_serves_rows_of_other_layers():
         stitch([ids], _capture(fewer), found, B, store)
 
 
-def _cut(stacked: list[torch.Tensor], lengths: list[int]) -> list[list[torch.Tensor]]:
+def cut(stacked: list[torch.Tensor], lengths: list[int]) -> list[list[torch.Tensor]]:
     """speculators' cut of a call's rows: by each sequence's token count, in
     input order, whatever the cache served (the last pieces come out short
     or empty), each piece cloned into storage of its own."""
@@ -237,7 +237,7 @@ def test_rows_are_copied_at_most_once_and_a_whole_piece_not_at_all():
     a, b, c = shared + _tokens(rng, 3), shared + _tokens(rng, 5), _tokens(rng, 7)
     runs = [_states(len(a), 1), _states(len(b) - 2 * B, 2), _states(len(c), 3)]
     stacked = [torch.cat([r[n] for r in runs]) for n in range(LAYERS)]
-    capture = Capture(_cut(stacked, [len(a), len(b), len(c)]))
+    capture = Capture(cut(stacked, [len(a), len(b), len(c)]))
     ra, rb = len(a), len(a) + len(b) - 2 * B
     found = [(0, ra, 0), (ra, rb, 2 * B), (rb, rb + len(c), 0)]
     uses = {h: 3 for h in chain(shared, B)}  # a, b and one sample to come
@@ -262,41 +262,52 @@ def test_rows_are_copied_at_most_once_and_a_whole_piece_not_at_all():
     assert store.keep_seconds > 0
 
 
-def test_reading_the_cut_pieces_gives_what_reading_the_stacked_rows_gives():
-    """Over random calls of sharers (served prefixes, runs from the store,
-    whole-block sequences read into longer runs), stitching speculators' cut
-    pieces gives, row for row, what stitching the stacked capture gives."""
-    for seed in range(200):
-        rng = random.Random(seed)
-        prompts = [_tokens(rng, rng.randrange(1, 4) * B) for _ in range(3)]
-        seqs = []
-        for _ in range(rng.randrange(1, 7)):
-            head = rng.choice(prompts) if rng.random() < 0.7 else []
-            seqs.append(head + _tokens(rng, rng.randrange(0 if head else 1, 2 * B)))
-        store, twin = PrefixRows(1 << 20), PrefixRows(1 << 20)
-        if rng.random() < 0.5:
-            kept = _states(len(prompts[0]), seed + 1000)
+def random_call(seed: int, stores: int = 2):
+    """A random call of sharers (served prefixes, runs from the store,
+    whole-block sequences read into longer runs, the capture in input order or
+    not): its sequences, stacked capture, ``found`` runs, and ``stores``
+    stores holding the same kept rows. None where nothing ran."""
+    rng = random.Random(seed)
+    prompts = [_tokens(rng, rng.randrange(1, 4) * B) for _ in range(3)]
+    seqs = []
+    for _ in range(rng.randrange(1, 7)):
+        head = rng.choice(prompts) if rng.random() < 0.7 else []
+        seqs.append(head + _tokens(rng, rng.randrange(0 if head else 1, 2 * B)))
+    made = [PrefixRows(1 << 20) for _ in range(stores)]
+    if rng.random() < 0.5:
+        kept = _states(len(prompts[0]), seed + 1000)
+        for store in made:
             store.offer(prompts[0], kept, B)
-            twin.offer(prompts[0], kept, B)
-        found: list = [None] * len(seqs)
-        runs, at = [], 0
-        order = list(range(len(seqs)))
-        if seed % 2:  # the capture's order, not the input's (V2 runner)
-            rng.shuffle(order)
-        for i in order:
-            ids = seqs[i]
-            k = 0 if rng.random() < 0.4 else (len(ids) - 1) // B * B
-            if rng.random() < 0.15:
-                continue
-            runs.append(_states(len(ids) - k, seed * 31 + i))
-            found[i] = (at, at + len(ids) - k, k)
-            at += len(ids) - k
-        if not runs:
+    found: list = [None] * len(seqs)
+    runs, at = [], 0
+    order = list(range(len(seqs)))
+    if seed % 2:  # the capture's order, not the input's (V2 runner)
+        rng.shuffle(order)
+    for i in order:
+        ids = seqs[i]
+        k = 0 if rng.random() < 0.4 else (len(ids) - 1) // B * B
+        if rng.random() < 0.15:
             continue
-        stacked = [torch.cat([r[n] for r in runs]) for n in range(LAYERS)]
+        runs.append(_states(len(ids) - k, seed * 31 + i))
+        found[i] = (at, at + len(ids) - k, k)
+        at += len(ids) - k
+    if not runs:
+        return None
+    stacked = [torch.cat([r[n] for r in runs]) for n in range(LAYERS)]
+    return seqs, stacked, found, made
+
+
+def test_reading_the_cut_pieces_gives_what_reading_the_stacked_rows_gives():
+    """Over random calls of sharers, stitching speculators' cut pieces gives,
+    row for row, what stitching the stacked capture gives."""
+    for seed in range(200):
+        call = random_call(seed)
+        if call is None:
+            continue
+        seqs, stacked, found, (store, twin) = call
         want = stitch(seqs, Capture([stacked]), found, B, twin)
         got = stitch(
-            seqs, Capture(_cut(stacked, [len(s) for s in seqs])), found, B, store
+            seqs, Capture(cut(stacked, [len(s) for s in seqs])), found, B, store
         )
         for x, y in zip(want, got, strict=True):
             assert (x is None) == (y is None), seed
@@ -322,7 +333,7 @@ def test_what_stitch_returns_is_each_sequences_alone():
     for n in lengths:
         as_views.append([h[at : at + n] for h in stacked])
         at += n
-    for pieces in (_cut(stacked, [len(a), len(b), len(c)]), as_views):
+    for pieces in (cut(stacked, [len(a), len(b), len(c)]), as_views):
         store = PrefixRows(1 << 20)
         out = stitch([a, b, c], Capture(pieces), found, B, store)
         assert all(states is not None for states in out)

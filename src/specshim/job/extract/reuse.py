@@ -147,6 +147,7 @@ def planned(
         plan.peak_bytes if cap is None else cap,
         uses=dict(plan.uses),
         whole={digest(todos[i].input_ids) for i in plan.cut},
+        pieces=True,  # the writer writes a served sample from its pieces
     )
     give_store(generator, store)
     tokens = sum(len(todo) for todo in todos)

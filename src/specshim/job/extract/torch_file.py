@@ -12,7 +12,8 @@ come from torch's own ``_save``, the CRCs from ``zlib.crc32`` and the file
 from ``os.writev``, both of which release it.
 
 It takes the layout from torch, never assumes it: the first file of each
-shape of archive (the number of storages) is also made by ``torch.save`` in
+shape of archive (the number of storages, and whether any is written from
+a ``Joined``'s pieces) is also made by ``torch.save`` in
 memory and compared byte for byte. Any difference, a torch whose ``_save``
 is not what this reads, or any other surprise while the archive is built
 sends that and every later file through ``torch.save`` itself, with one
@@ -60,17 +61,75 @@ class _ThisFileError(_UnsupportedError):
 
 
 class _Records:
-    """Stands in for torch's zip writer in ``_save``: keeps what it is given."""
+    """Stands in for torch's zip writer in ``_save``: keeps what it is given;
+    a stand-in's storage (``_stand_ins``) as its rows' pieces."""
 
-    def __init__(self) -> None:
+    def __init__(self, pieces: dict[int, list[Any]]) -> None:
         self.records: list[tuple[str, Any]] = []
+        self.pieces = pieces
 
     def write_record(self, name: str, data: Any, size: int) -> None:
         if isinstance(data, str):
             data = data.encode()
         elif not isinstance(data, bytes):
-            data = _storage_bytes(data, size)
+            parts = self.pieces.get(data.data_ptr()) if size else None
+            data = _storage_bytes(data, size) if parts is None else _Pieces(parts)
         self.records.append((name, data))
+
+
+class _Pieces(list):  # type: ignore[type-arg]
+    """One record's bytes as buffers, one after another."""
+
+
+def _stand_ins(obj: Any, pieces: dict[int, list[Any]]) -> Any:
+    """``obj`` with each ``Joined`` in it replaced by an empty tensor of its
+    shape and dtype (address space only: nothing writes or reads it), whose
+    storage's bytes are the ``Joined``'s pieces' (``pieces``, by address)."""
+    import torch
+
+    from specshim._joined import Joined
+
+    if isinstance(obj, Joined):
+        if not obj.shape[0]:
+            return obj.tensor()
+        stand_in = torch.empty(obj.shape, dtype=obj.dtype)
+        pieces[stand_in.untyped_storage().data_ptr()] = [
+            _tensor_bytes(part) for part in obj.parts
+        ]
+        return stand_in
+    if isinstance(obj, dict):
+        return {key: _stand_ins(value, pieces) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_stand_ins(value, pieces) for value in obj)
+    return obj
+
+
+def _tensor_bytes(tensor: Any) -> Any:
+    """A packed CPU tensor's own bytes (not its storage's), as numpy."""
+    import torch
+
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise _ThisFileError(f"a piece on {tensor.device}, or not packed")
+    size = tensor.numel() * tensor.element_size()
+    flat = torch.empty(0, dtype=torch.uint8)
+    start = tensor.storage_offset() * tensor.element_size()
+    flat.set_(tensor.untyped_storage(), start, (size,))
+    return flat.numpy()
+
+
+def _crc(data: Any) -> int:
+    if isinstance(data, _Pieces):
+        crc = 0
+        for part in data:
+            crc = zlib.crc32(part, crc)
+        return crc
+    return zlib.crc32(data)
+
+
+def _size(data: Any) -> int:
+    if isinstance(data, _Pieces):
+        return sum(memoryview(part).nbytes for part in data)
+    return memoryview(data).nbytes
 
     def write_record_metadata(self, name: str, size: int) -> None:
         raise _UnsupportedError("skip_data is in force")
@@ -115,7 +174,7 @@ class _Layout:
 
 
 _LAYOUTS: dict[int, _Layout] = {}
-_CHECKED: set[int] = set()
+_CHECKED: set[tuple[int, bool]] = set()
 _LOCK = threading.Lock()
 _FALLBACK: list[str] = []  # why torch.save writes every file, once set
 
@@ -153,8 +212,10 @@ def _layout(storages: int) -> _Layout:
 def _records(obj: Any) -> list[tuple[str, Any]]:
     import torch.serialization as serialization
 
-    collected = _Records()
-    serialization._save(obj, collected, pickle, serialization.DEFAULT_PROTOCOL, False)
+    pieces: dict[int, list[Any]] = {}
+    held = _stand_ins(obj, pieces)  # alive while _save reads it: unique addresses
+    collected = _Records(pieces)
+    serialization._save(held, collected, pickle, serialization.DEFAULT_PROTOCOL, False)
     return collected.records
 
 
@@ -164,17 +225,19 @@ def _pad(cursor: int, name: bytes, alignment: int) -> bytes:
     return b"FB" + struct.pack("<H", padding) + b"Z" * padding
 
 
-def _archive(obj: Any, path: str) -> tuple[list[Any], int]:
+def _archive(obj: Any, path: str) -> tuple[list[Any], tuple[int, bool]]:
     """The file's bytes, as buffers in order (storages are views, not
-    copies), and the number of storages."""
+    copies), and its shape: the number of storages, and whether any is
+    written from pieces."""
     records = _records(obj)
     storages = sum(1 for name, _ in records if name.startswith("data/"))
+    pieced = any(isinstance(data, _Pieces) for _, data in records)
     layout = _layout(storages)
     records += layout.ending
-    crcs = [zlib.crc32(data) for _, data in records]  # outside the GIL
+    crcs = [_crc(data) for _, data in records]  # outside the GIL
     combined = 0
     for (_, data), crc in zip(records, crcs, strict=True):
-        if memoryview(data).nbytes:  # torch's writer leaves empty records out
+        if _size(data):  # torch's writer leaves empty records out
             combined = _combine(combined, crc)
     ident = (layout.names_hash + f"{combined:020d}").encode()
     records.append((_ID_RECORD, ident))
@@ -185,18 +248,20 @@ def _archive(obj: Any, path: str) -> tuple[list[Any], int]:
     cursor = 0
     for (name, data), crc in zip(records, crcs, strict=True):
         full = (prefix + name).encode()
-        size = memoryview(data).nbytes
+        size = _size(data)
         if size >= _LIMIT or cursor >= _LIMIT:
             raise _ThisFileError("an archive past 4 GiB")
         extra = _pad(cursor, full, layout.alignment)
         # miniz writes an empty record with no data descriptor (flags: UTF-8)
         flags = 0x808 if size else 0x800
         descriptor = struct.pack("<IIII", 0x08074B50, crc, size, size) if size else b""
-        parts += [_local_header(full, extra, flags) + full + extra, data, descriptor]
+        parts.append(_local_header(full, extra, flags) + full + extra)
+        parts += data if isinstance(data, _Pieces) else [data]
+        parts.append(descriptor)
         central.append(_central_header(full, crc, size, cursor, flags) + full)
         cursor += 30 + len(full) + len(extra) + size + len(descriptor)
     parts.append(_ending(b"".join(central), len(records), cursor))
-    return parts, storages
+    return parts, (storages, pieced)
 
 
 def _local_header(name: bytes, extra: bytes, flags: int) -> bytes:
@@ -259,14 +324,18 @@ def _ending(directory: bytes, count: int, start: int) -> bytes:
 
 
 def save(obj: Any, path: Path) -> None:
-    """``torch.save(obj, path)``, the same bytes (see the module docstring)."""
+    """``torch.save(obj, path)``, the same bytes (see the module docstring);
+    a ``Joined`` in ``obj`` is written as the tensor it stands for, from its
+    pieces."""
     import torch
+
+    from specshim._joined import joined_tensors
 
     if not _FALLBACK:
         try:
-            parts, storages = _archive(obj, os.fspath(path))
-            if storages not in _CHECKED:
-                _check(obj, storages)
+            parts, shape = _archive(obj, os.fspath(path))
+            if shape not in _CHECKED:
+                _check(obj, shape)
         except _ThisFileError:
             pass
         except Exception as exc:  # noqa: BLE001 - anything unproven: torch.save
@@ -274,24 +343,26 @@ def save(obj: Any, path: Path) -> None:
         else:
             _write(path, parts)
             return
-    torch.save(obj, path)
+    torch.save(joined_tensors(obj), path)
 
 
-def _check(obj: Any, storages: int) -> None:
+def _check(obj: Any, shape: tuple[int, bool]) -> None:
     """The first file of each shape: torch.save's bytes in memory (there the
     archive is named ``archive``), compared with ours for that name."""
     import torch
 
+    from specshim._joined import joined_tensors
+
     with _LOCK:
-        if storages in _CHECKED:
+        if shape in _CHECKED:
             return
         reference = io.BytesIO()
-        torch.save(obj, reference)
+        torch.save(joined_tensors(obj), reference)
         parts, _ = _archive(obj, "archive.pt")
         ours = b"".join(memoryview(p).cast("B").tobytes() for p in parts)
         if ours != reference.getvalue():
             raise _UnsupportedError("its bytes differ from torch.save's")
-        _CHECKED.add(storages)
+        _CHECKED.add(shape)
 
 
 def _fall_back(reason: str) -> None:

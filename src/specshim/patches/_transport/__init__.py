@@ -18,7 +18,8 @@ Rooms:
   the worker and to prove them in the main process.
 * ``prefix_rows``: with prefix caching on, each sequence's served rows put
   back in front of its tail, from the same call or the store of
-  ``specshim._prefix_reuse`` (``generate-guard``).
+  ``specshim._prefix_reuse`` (``generate-guard``); for ``extract``'s store,
+  as the pieces they lie in (``specshim._joined``), not joined.
 * ``row_arena``: the main process's memory those joined rows go into, kept
   mapped and written again only once the caller lets go of every tensor
   over it (the slabs' rule, for memory no worker sees).

@@ -7,7 +7,8 @@ served block from a sequence of the same call that computed it, else from the
 store. A sequence with a block found nowhere is left for the caller to compute
 whole (with a cache salt of its own, so nothing is served). Nothing is
 guessed: a block's rows are used only under the hash of every token before its
-end.
+end. A store that asks for pieces (``extract``'s) gets a sequence served rows
+as a ``Joined`` per layer, its pieces uncopied (``specshim._joined``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
+from specshim._joined import Joined, alone, merged
 from specshim._prefix_reuse import PrefixRows, chain
 from specshim.patches._transport.threads import lent_threads
 
@@ -60,14 +62,15 @@ def _stitch(
     chains: list[list[Hashable]] | None,
 ) -> list[list[Any] | None]:
     call = _Call(
-        sequences, block_size, store, chains, _joins(sequences, capture, found)
+        sequences, block_size, store, chains, _joins(sequences, capture, found, store)
     )
     # A served block was computed by a sequence served less: fewest first.
     ran = [i for i, run in enumerate(found) if run is not None]
     for i in sorted(ran, key=lambda i: found[i][2]):  # type: ignore[index]
         start, end, k = found[i]  # type: ignore[misc]
         if k == 0:
-            call.done(i, [], capture.owned(start, end), 0, end - start)
+            rows = capture.owned(start, end, join=not store.pieces)
+            call.done(i, [], rows, 0, end - start)
             continue
         heads = call.blocks(i, k // block_size)
         if heads is not None:
@@ -84,12 +87,14 @@ def _joins(
     sequences: list[Sequence[int]],
     capture: Capture,
     found: list[tuple[int, int, int] | None],
+    store: PrefixRows,
 ) -> Any:
     """Room in ``row_arena`` for the rows of every sequence that may be
-    joined (served any block), or None (joins into fresh memory)."""
+    joined (served any block), or None (joins into fresh memory, or none:
+    ``store.pieces``)."""
     from specshim.patches._transport.row_arena import ALIGN, arena
 
-    if not capture.layers:
+    if not capture.layers or store.pieces:
         return None
     joined = [
         len(ids)
@@ -181,7 +186,12 @@ class _Call:
         into the sequence's own storage; without, storage of its own
         already (``Capture.owned``)."""
 
-        if heads:
+        if heads and self.store.pieces:
+            tail = [
+                Joined([*(head[n] for head in heads), *parts])
+                for n, parts in enumerate(tail)
+            ]
+        elif heads:
             tail = [
                 self._join([*(head[n] for head in heads), *parts])
                 for n, parts in enumerate(tail)
@@ -202,34 +212,6 @@ class _Call:
         rows = sum(part.shape[0] for part in parts)
         out = None if self.joins is None else self.joins.empty(rows, parts[0])
         return torch.cat(parts) if out is None else torch.cat(parts, out=out)
-
-
-def merged(parts: list[Any]) -> list[Any]:
-    """``parts`` with each run of pieces that lie one after another in the
-    same storage (consecutive blocks of one kept copy, or of the sequence of
-    the call that computed them) read as one piece: the same rows, in fewer
-    copies."""
-    out: list[Any] = []
-    for part in parts:
-        if out and _follows(out[-1], part):
-            last = out[-1]
-            shape = (last.shape[0] + part.shape[0], *last.shape[1:])
-            out[-1] = last.as_strided(shape, last.stride(), last.storage_offset())
-        else:
-            out.append(part)
-    return out
-
-
-def _follows(a: Any, b: Any) -> bool:
-    """Whether ``b``'s rows start where ``a``'s end, in the same storage."""
-    return (
-        _packed(a)
-        and _packed(b)
-        and a.dtype == b.dtype
-        and a.shape[1:] == b.shape[1:]
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
-    )
 
 
 class Capture:
@@ -274,18 +256,21 @@ class Capture:
             raise ValueError(f"rows {start} to {end} of {self.rows} captured")
         return out
 
-    def owned(self, start: int, end: int) -> list[Any]:
+    def owned(self, start: int, end: int, join: bool = True) -> list[Any]:
         """Rows ``[start, end)`` per layer in storage of their own: the piece
         itself where the run is one, else a copy (a view would carry the
-        whole piece along: torch.save writes a view's whole storage)."""
+        whole piece along: torch.save writes a view's whole storage), or,
+        ``join`` false, a ``Joined`` of the views."""
         at = bisect.bisect_left(self.starts, start)
         if (
             at < len(self.pieces)
             and self.starts[at] == start
             and self.pieces[at][0].shape[0] == end - start
-            and all(map(_alone, self.pieces[at]))
+            and all(map(alone, self.pieces[at]))
         ):
             return list(self.pieces[at])
+        if not join:
+            return [Joined(parts) for parts in self.views(start, end)]
         import torch
 
         rows = [
@@ -296,25 +281,5 @@ class Capture:
         return rows
 
 
-def _packed(tensor: Any) -> bool:
-    """Rows of at least one, each right after the one before: a span of
-    more of them (``as_strided`` with its strides) reads the rows after it.
-    ``is_contiguous`` alone passes a single row of any stride."""
-    if tensor.dim() < 1 or tensor.shape[0] == 0 or not tensor.is_contiguous():
-        return False
-    return tensor.stride(0) == tensor[0].numel()
-
-
 def _nbytes(tensor: Any) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _alone(tensor: Any) -> bool:
-    """Whether ``tensor`` is all of its storage (no view of a larger one)."""
-    return (
-        tensor.storage_offset() == 0
-        and tensor.is_contiguous()
-        and (
-            tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-        )
-    )

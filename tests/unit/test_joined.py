@@ -1,0 +1,142 @@
+"""A sample served a prefix handed to extract's writer as its pieces
+(``specshim/_joined.py``, ``PrefixRows.pieces``): the same rows as the
+joined tensors, nothing copied on the way, and the file written from the
+pieces is torch.save's of the joined tensors, byte for byte."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specshim._joined import Joined, joined_tensors
+from specshim._prefix_reuse import chain
+from specshim.job.extract import torch_file
+from specshim.patches._transport.prefix_rows import Capture, keep, stitch
+
+from .test_prefix_rows import B, cut, random_call
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.setattr(torch_file, "_FALLBACK", [])
+    monkeypatch.setattr(torch_file, "_CHECKED", set())
+    monkeypatch.setattr(torch_file, "_LAYOUTS", {})
+
+
+def _pieces(rng: random.Random, rows: int, width: int) -> tuple[list, torch.Tensor]:
+    """``rows`` rows cut into random pieces: some views of one storage (in
+    order, so some merge), some of storages of their own, some empty."""
+    whole = torch.randn(rows, width).to(torch.bfloat16)
+    parts, at = [], 0
+    while at < rows:
+        n = rng.randrange(0, 9)
+        piece = whole[at : at + n]
+        parts.append(piece.clone() if rng.random() < 0.4 else piece)
+        at += n
+    return parts, whole
+
+
+def test_a_joined_reads_as_its_joined_tensor():
+    """Shape, spans and copies of a Joined, over random pieces and cuts."""
+    rng = random.Random(0)
+    for _ in range(200):
+        parts, whole = _pieces(rng, rng.randrange(1, 40), 3)
+        joined = Joined(parts)
+        assert joined.shape == tuple(whole.shape) and joined.dtype == whole.dtype
+        assert torch.equal(joined.tensor(), whole)
+        a = rng.randrange(0, whole.shape[0] + 1)
+        b = rng.randrange(a, whole.shape[0] + 1)
+        span = joined[a:b]
+        assert span.shape == tuple(whole[a:b].shape)
+        assert torch.equal(span.tensor(), whole[a:b])
+        assert torch.equal(span.clone(), whole[a:b])
+        assert span.numel() * span.element_size() == whole[a:b].nbytes
+        assert not any(p.untyped_storage().data_ptr() == 0 for p in span.parts[1:])
+    with pytest.raises(ValueError, match="pieces of rows"):
+        Joined([torch.zeros(2, 3), torch.zeros(2, 4)])
+
+
+def test_stitching_into_pieces_gives_the_joined_rows_and_copies_nothing():
+    """Over random calls of sharers, a store that asks for pieces gets, row
+    for row, what the tensor path returns, with no byte copied to put served
+    rows back; and keeping blocks from those pieces keeps the same rows."""
+    checked = 0
+    for seed in range(200):
+        call = random_call(seed)
+        if call is None:
+            continue
+        seqs, stacked, found, (plain, pieced) = call
+        pieced.pieces = True
+        lengths = [len(s) for s in seqs]
+        want = stitch(seqs, Capture(cut(stacked, lengths)), found, B, plain)
+        before = pieced.copied_bytes
+        got = stitch(seqs, Capture(cut(stacked, lengths)), found, B, pieced)
+        assert pieced.copied_bytes == before, seed  # no join, no owned copy
+        for x, y in zip(want, got, strict=True):
+            assert (x is None) == (y is None), seed
+            for u, v in zip(x or [], y or [], strict=True):
+                v = v.tensor() if isinstance(v, Joined) else v
+                assert torch.equal(u, v), seed
+                checked += 1
+        if all(x is not None for x in got):
+            chains = [chain(s, B) for s in seqs]
+            keep(seqs, want, B, plain, chains)
+            keep(seqs, got, B, pieced, chains)
+            assert plain.blocks.keys() == pieced.blocks.keys(), seed
+            for block, rows in plain.blocks.items():
+                for u, v in zip(rows, pieced.blocks[block], strict=True):
+                    assert torch.equal(u, v), seed
+    assert checked > 500
+
+
+def test_a_file_written_from_pieces_is_torch_saves_of_the_joined_rows(tmp_path):
+    """The first file of its shape (checked against torch.save in memory) and
+    the ones after it (not checked as they are written) are torch.save's
+    bytes of the joined sample; no fallback taken."""
+    rng = random.Random(1)
+    for n in range(12):
+        states = []
+        for _ in range(3):
+            parts, _ = _pieces(rng, rng.randrange(1, 60), 16)
+            states.append(Joined(parts))
+        states[rng.randrange(3)] = torch.randn(7, 16).to(torch.bfloat16)  # a tensor
+        tokens = states[0].shape[0]
+        data = {
+            "input_ids": torch.arange(tokens),
+            "hidden_states": states,
+            "loss_mask": torch.ones(tokens, dtype=torch.long),
+        }
+        want, got = _written(tmp_path, f"data_{n}.pt", data)
+        assert got == want
+        loaded = torch.load(tmp_path / "got" / f"data_{n}.pt")
+        for u, v in zip(loaded["hidden_states"], states, strict=True):
+            assert torch.equal(u, v.tensor() if isinstance(v, Joined) else v)
+    assert not torch_file._FALLBACK
+    assert torch_file._CHECKED == {(5, True)}
+
+
+def test_a_piece_off_the_cpu_or_not_packed_sends_the_file_to_torch_save(tmp_path):
+    """A piece the writer cannot read as its bytes: that file alone goes
+    through torch.save of the joined tensors, the next is written again."""
+    whole = torch.randn(6, 4)
+    strided = torch.randn(4, 6).t()  # rows of another stride: not packed
+    data = {"hidden_states": [Joined([strided[:3], whole[:2]])]}
+    want, got = _written(tmp_path, "data_0.pt", data)
+    assert got == want
+    assert not torch_file._FALLBACK and not torch_file._CHECKED
+    data = {"hidden_states": [Joined([whole[3:], whole[:2]])]}
+    want, got = _written(tmp_path, "data_1.pt", data)
+    assert got == want
+    assert torch_file._CHECKED == {(1, True)}
+
+
+def _written(where, name: str, data: dict) -> tuple[bytes, bytes]:
+    """torch.save's bytes of ``data`` joined, and torch_file's of ``data``,
+    each written under ``name`` (the archive's folder inside is the name)."""
+    (where / "want").mkdir(exist_ok=True)
+    (where / "got").mkdir(exist_ok=True)
+    torch.save(joined_tensors(data), where / "want" / name)
+    torch_file.save(data, where / "got" / name)
+    return (where / "want" / name).read_bytes(), (where / "got" / name).read_bytes()
