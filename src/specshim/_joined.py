@@ -70,9 +70,6 @@ class Joined:
     def element_size(self) -> int:
         return int(self.parts[0].element_size())
 
-    def nbytes(self) -> int:
-        return self.numel() * self.element_size()
-
     def tensor(self) -> Any:
         """The rows as one tensor of their own (a copy, unless one piece is
         already all of its storage)."""
@@ -82,6 +79,12 @@ class Joined:
             return self.parts[0]
         return torch.cat(self.parts)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a Joined is written by extract's writer as the tensor it stands "
+            "for, never pickled as itself (Joined.tensor() joins it)"
+        )
+
     def clone(self) -> Any:
         """A copy of the rows, in storage of their own."""
         import torch
@@ -90,15 +93,31 @@ class Joined:
 
 
 def joined_tensors(obj: Any) -> Any:
-    """``obj`` (dicts, lists and tuples of values) with every ``Joined`` in
-    it joined into a tensor: what ``torch.save`` is given where a file is
-    not written from its pieces."""
+    """``obj`` with every ``Joined`` in it joined into a tensor: what
+    ``torch.save`` is given where a file is not written from its pieces."""
+    return replaced(obj, lambda joined: joined.tensor())
+
+
+def replaced(obj: Any, each: Any) -> Any:
+    """``obj`` with every ``Joined`` in its dicts, lists and tuples replaced
+    by ``each(joined)``; a container with none in it is ``obj``'s own (the
+    same object: its type, and what else refers to it, unchanged)."""
     if isinstance(obj, Joined):
-        return obj.tensor()
+        return each(obj)
     if isinstance(obj, dict):
-        return {key: joined_tensors(value) for key, value in obj.items()}
+        values = {key: replaced(value, each) for key, value in obj.items()}
+        if all(values[key] is value for key, value in obj.items()):
+            return obj
+        out = obj.copy()
+        out.update(values)
+        return out
     if isinstance(obj, (list, tuple)):
-        return type(obj)(joined_tensors(value) for value in obj)
+        items = [replaced(value, each) for value in obj]
+        if all(a is b for a, b in zip(items, obj, strict=True)):
+            return obj
+        if isinstance(obj, list):
+            return type(obj)(items)
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
 
 

@@ -5,17 +5,22 @@ pieces is torch.save's of the joined tensors, byte for byte."""
 
 from __future__ import annotations
 
+import collections
+import gc
+import pickle
 import random
 
 import pytest
 import torch
 
-from specshim._joined import Joined, joined_tensors
+from specshim._joined import Joined, alone, joined_tensors
 from specshim._prefix_reuse import chain
 from specshim.job.extract import torch_file
 from specshim.patches._transport.prefix_rows import Capture, keep, stitch
 
 from .test_prefix_rows import B, cut, random_call
+
+Pair = collections.namedtuple("Pair", "x y")  # pickled by name: module-level
 
 
 @pytest.fixture(autouse=True)
@@ -51,11 +56,19 @@ def test_a_joined_reads_as_its_joined_tensor():
         span = joined[a:b]
         assert span.shape == tuple(whole[a:b].shape)
         assert torch.equal(span.tensor(), whole[a:b])
-        assert torch.equal(span.clone(), whole[a:b])
+        copy = span.clone()
+        assert torch.equal(copy, whole[a:b]) and alone(copy)
+        assert all(
+            copy.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+            for p in span.parts
+        )
+        assert alone(span.tensor())
         assert span.numel() * span.element_size() == whole[a:b].nbytes
         assert not any(p.untyped_storage().data_ptr() == 0 for p in span.parts[1:])
     with pytest.raises(ValueError, match="pieces of rows"):
         Joined([torch.zeros(2, 3), torch.zeros(2, 4)])
+    with pytest.raises(TypeError, match="never pickled"):
+        pickle.dumps(Joined([torch.zeros(2, 3)]))
 
 
 def test_stitching_into_pieces_gives_the_joined_rows_and_copies_nothing():
@@ -140,3 +153,74 @@ def _written(where, name: str, data: dict) -> tuple[bytes, bytes]:
     torch.save(joined_tensors(data), where / "want" / name)
     torch_file.save(data, where / "got" / name)
     return (where / "want" / name).read_bytes(), (where / "got" / name).read_bytes()
+
+
+def test_odd_pieces_and_containers_are_written_as_torch_save_writes_them(tmp_path):
+    """Every file here is written after the first of its shape (so not
+    compared as it is written) and must still be torch.save's bytes: a
+    Joined that is one tensor's whole storage with an odd stride, one of no
+    rows, one of more than 1024 pieces (writev's limit), and containers
+    torch.save keeps as they are (an OrderedDict, a namedtuple, a list
+    referred to twice)."""
+    whole = torch.randn(3000, 2)
+    first = {"hidden_states": [Joined([whole[:3], whole[5:9]])]}
+    want, got = _written(tmp_path, "data_0.pt", first)
+    assert got == want and torch_file._CHECKED == {(1, True)}
+    odd = torch.randn(1, 2).as_strided((1, 2), (8, 1))  # one row, stride 8
+    assert alone(odd)
+    many = Joined([whole[i : i + 1] for i in range(0, 3000, 2)])  # 1,500 pieces
+    assert len(many.parts) == 1500
+    shared = [Joined([whole[:1], whole[9:10]])]
+    samples = [
+        {"hidden_states": [Joined([odd])]},
+        {"hidden_states": [Joined([whole[4:4]])]},
+        {"hidden_states": [many]},
+        collections.OrderedDict(hidden_states=[Joined([whole[:2], whole[7:8]])]),
+        {"hidden_states": [Pair(Joined([whole[:2], whole[6:7]]), 1)]},
+        {"hidden_states": shared, "again": shared},
+    ]
+    for n, data in enumerate(samples, 1):
+        want, got = _written(tmp_path, f"data_{n}.pt", data)
+        assert got == want, n
+    # No Joined at all: torch.save's bytes of the object itself, its
+    # containers untouched (a list referred to twice is stored once).
+    plain = [torch.randn(2, 2)]
+    data = collections.OrderedDict(a=plain, b=plain, c=Pair(plain, 2))
+    assert joined_tensors(data) is data
+    torch.save(data, tmp_path / "want" / "data_9.pt")
+    torch_file.save(data, tmp_path / "got" / "data_9.pt")
+    want = (tmp_path / "want" / "data_9.pt").read_bytes()
+    assert (tmp_path / "got" / "data_9.pt").read_bytes() == want
+    assert not torch_file._FALLBACK
+
+
+def test_pieces_outlive_what_made_them(tmp_path):
+    """A served sample's pieces are views of the call's captured pieces and
+    of blocks the store keeps: once the capture is gone and the store has
+    dropped those blocks (the plan's last use), memory taken afterwards
+    never lands in them; the file written then holds the rows as joined
+    before."""
+    for seed in range(40):
+        call = random_call(seed)
+        if call is None:
+            continue
+        seqs, stacked, found, (plain, pieced) = call
+        pieced.pieces = True
+        lengths = [len(s) for s in seqs]
+        want = stitch(seqs, Capture(cut(stacked, lengths)), found, B, plain)
+        got = stitch(seqs, Capture(cut(stacked, lengths)), found, B, pieced)
+        del stacked, call
+        for ids in seqs:  # the store lets go of every block
+            pieced.done(ids, B)
+        pieced.blocks.clear()
+        gc.collect()
+        junk = [torch.full((64, 3), float("nan")) for _ in range(200)]
+        for n, (x, y) in enumerate(zip(want, got, strict=True)):
+            if y is None:
+                continue
+            data = {"hidden_states": y}
+            torch_file.save(data, tmp_path / f"s{seed}_{n}.pt")
+            loaded = torch.load(tmp_path / f"s{seed}_{n}.pt")["hidden_states"]
+            for u, v in zip(x, loaded, strict=True):
+                assert torch.equal(u, v), seed
+        del junk

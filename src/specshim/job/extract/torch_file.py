@@ -74,7 +74,12 @@ class _Records:
         elif not isinstance(data, bytes):
             parts = self.pieces.get(data.data_ptr()) if size else None
             data = _storage_bytes(data, size) if parts is None else _Pieces(parts)
+            if _size(data) != size:
+                raise _UnsupportedError(f"record {name} is not {size} bytes")
         self.records.append((name, data))
+
+    def write_record_metadata(self, name: str, size: int) -> None:
+        raise _UnsupportedError("skip_data is in force")
 
 
 class _Pieces(list):  # type: ignore[type-arg]
@@ -82,26 +87,25 @@ class _Pieces(list):  # type: ignore[type-arg]
 
 
 def _stand_ins(obj: Any, pieces: dict[int, list[Any]]) -> Any:
-    """``obj`` with each ``Joined`` in it replaced by an empty tensor of its
-    shape and dtype (address space only: nothing writes or reads it), whose
-    storage's bytes are the ``Joined``'s pieces' (``pieces``, by address)."""
+    """``obj`` with each ``Joined`` in it that is more than one tensor's own
+    storage replaced by a tensor of its shape and dtype over storage nothing
+    writes or reads (address space only), whose bytes are the ``Joined``'s
+    pieces' (``pieces``, by that storage's address); one that is a single
+    tensor's whole storage (or no rows) by that tensor, as
+    ``joined_tensors`` gives ``torch.save``."""
     import torch
 
-    from specshim._joined import Joined
+    from specshim._joined import alone, replaced
 
-    if isinstance(obj, Joined):
-        if not obj.shape[0]:
-            return obj.tensor()
-        stand_in = torch.empty(obj.shape, dtype=obj.dtype)
-        pieces[stand_in.untyped_storage().data_ptr()] = [
-            _tensor_bytes(part) for part in obj.parts
-        ]
-        return stand_in
-    if isinstance(obj, dict):
-        return {key: _stand_ins(value, pieces) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_stand_ins(value, pieces) for value in obj)
-    return obj
+    def stand_in(joined: Any) -> Any:
+        if not joined.shape[0] or (len(joined.parts) == 1 and alone(joined.parts[0])):
+            return joined.tensor()
+        size = joined.numel() * joined.element_size()
+        storage = torch.UntypedStorage(size, device="cpu")
+        pieces[storage.data_ptr()] = [_tensor_bytes(part) for part in joined.parts]
+        return torch.empty(0, dtype=joined.dtype).set_(storage, 0, joined.shape)
+
+    return replaced(obj, stand_in)
 
 
 def _tensor_bytes(tensor: Any) -> Any:
@@ -130,9 +134,6 @@ def _size(data: Any) -> int:
     if isinstance(data, _Pieces):
         return sum(memoryview(part).nbytes for part in data)
     return memoryview(data).nbytes
-
-    def write_record_metadata(self, name: str, size: int) -> None:
-        raise _UnsupportedError("skip_data is in force")
 
 
 def _storage_bytes(storage: Any, size: int) -> Any:
