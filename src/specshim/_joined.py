@@ -59,7 +59,14 @@ class Joined:
             if end > start and at < stop:
                 out.append(part[max(start - at, 0) : min(stop, end) - at])
             at = end
-        return Joined(out or [self.parts[0][:0]])
+        if not out:
+            return Joined([self.parts[0][:0]])
+        # Spans of pieces no two of which follow one another follow one
+        # another no more: taken as they are, not merged again.
+        span = Joined.__new__(Joined)
+        span.parts, span.dtype = out, self.dtype
+        span.shape = (stop - start, *self.shape[1:])
+        return span
 
     def numel(self) -> int:
         count = 1
@@ -139,13 +146,13 @@ def merged(parts: list[Any]) -> list[Any]:
 
 def _follows(a: Any, b: Any) -> bool:
     """Whether ``b``'s rows start where ``a``'s end, in the same storage."""
-    return (
-        _packed(a)
-        and _packed(b)
+    return (  # the cheapest test first: most pieces do not touch
+        b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
         and a.dtype == b.dtype
         and a.shape[1:] == b.shape[1:]
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+        and _packed(a)
+        and _packed(b)
     )
 
 

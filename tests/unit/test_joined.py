@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specshim._joined import Joined, alone, joined_tensors
-from specshim._prefix_reuse import chain
+from specshim._prefix_reuse import PrefixRows, chain
 from specshim.job.extract import torch_file
 from specshim.patches._transport.prefix_rows import Capture, keep, stitch
 
@@ -224,3 +224,34 @@ def test_pieces_outlive_what_made_them(tmp_path):
             for u, v in zip(x, loaded, strict=True):
                 assert torch.equal(u, v), seed
         del junk
+
+
+def test_a_run_of_blocks_in_a_sequence_of_the_call_is_read_once(monkeypatch):
+    """The first sequence is served a 6-block prompt from the store, the
+    others the same blocks from it: each reads the first sequence's rows
+    once a layer, not once a block (a Joined is read piece by piece), and
+    is two pieces: the kept prompt and its own tail."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(1000) for _ in range(6 * B)]
+    seqs = [prompt + [rng.randrange(1000) for _ in range(3 + n)] for n in range(4)]
+    store = PrefixRows(1 << 20, uses={h: 9 for h in chain(prompt, B)}, pieces=True)
+    kept = [torch.randn(len(prompt), 3) for _ in range(2)]
+    store.offer(prompt, kept, B)
+    tails = [[torch.randn(len(s) - 6 * B, 3) for _ in range(2)] for s in seqs]
+    found, at = [], 0
+    for s in seqs:
+        found.append((at, at + len(s) - 6 * B, 6 * B))
+        at += len(s) - 6 * B
+    reads = []
+    original = Joined.__getitem__
+    monkeypatch.setattr(
+        Joined,
+        "__getitem__",
+        lambda self, rows: reads.append(rows) or original(self, rows),
+    )
+    out = stitch(seqs, Capture(tails), found, B, store)
+    assert len(reads) == 2 * (len(seqs) - 1)  # a layer a sequence served from it
+    for states, tail in zip(out, tails, strict=True):
+        for n in range(2):
+            assert len(states[n].parts) == 2
+            assert torch.equal(states[n].tensor(), torch.cat([kept[n], tail[n]]))

@@ -163,20 +163,37 @@ class _Call:
         self.here: dict[Hashable, tuple[int, int]] = {}  # block -> (sequence, j)
 
     def blocks(self, i: int, count: int) -> list[list[Any]] | None:
-        """The rows of sequence i's first ``count`` blocks, or None."""
+        """The rows of sequence i's first ``count`` blocks, or None: a view
+        per layer for each run of blocks that lie one after another in a
+        sequence of the call (read once, however many blocks it has: a
+        ``Joined`` is read piece by piece), and each block's kept rows."""
         rows: list[list[Any]] = []
+        run: list[int] | None = None  # [owner, first block, blocks]
         for block in self.chains[i][:count]:
             if block in self.here:
                 owner, at = self.here[block]
-                states = self.out[owner]
-                assert states is not None
-                span = slice(at * self.block, (at + 1) * self.block)
-                rows.append([h[span] for h in states])
-            elif (kept := self.store.get(block)) is not None:
-                rows.append(kept)
-            else:
+                if run is not None and run[0] == owner and run[1] + run[2] == at:
+                    run[2] += 1
+                    continue
+                self._read(run, rows)
+                run = [owner, at, 1]
+                continue
+            self._read(run, rows)
+            run = None
+            if (kept := self.store.get(block)) is None:
                 return None
+            rows.append(kept)
+        self._read(run, rows)
         return rows
+
+    def _read(self, run: list[int] | None, rows: list[list[Any]]) -> None:
+        if run is None:
+            return
+        owner, at, blocks = run
+        states = self.out[owner]
+        assert states is not None
+        span = slice(at * self.block, (at + blocks) * self.block)
+        rows.append([h[span] for h in states])
 
     def done(
         self, i: int, heads: list[list[Any]], tail: list[Any], served: int, ran: int
