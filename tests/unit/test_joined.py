@@ -64,11 +64,27 @@ def test_a_joined_reads_as_its_joined_tensor():
         )
         assert alone(span.tensor())
         assert span.numel() * span.element_size() == whole[a:b].nbytes
-        assert not any(p.untyped_storage().data_ptr() == 0 for p in span.parts[1:])
     with pytest.raises(ValueError, match="pieces of rows"):
         Joined([torch.zeros(2, 3), torch.zeros(2, 4)])
     with pytest.raises(TypeError, match="never pickled"):
         pickle.dumps(Joined([torch.zeros(2, 3)]))
+
+
+def _both_ways(seed: int):
+    """``random_call(seed)`` stitched by a store of tensors and by one of
+    pieces (the call's captures gone after): its sequences, both results,
+    both stores, and the bytes the pieces' stitch copied. None where
+    nothing ran."""
+    call = random_call(seed)
+    if call is None:
+        return None
+    seqs, stacked, found, (plain, pieced) = call
+    pieced.pieces = True
+    lengths = [len(s) for s in seqs]
+    want = stitch(seqs, Capture(cut(stacked, lengths)), found, B, plain)
+    before = pieced.copied_bytes
+    got = stitch(seqs, Capture(cut(stacked, lengths)), found, B, pieced)
+    return seqs, want, got, (plain, pieced), pieced.copied_bytes - before
 
 
 def test_stitching_into_pieces_gives_the_joined_rows_and_copies_nothing():
@@ -77,16 +93,11 @@ def test_stitching_into_pieces_gives_the_joined_rows_and_copies_nothing():
     rows back; and keeping blocks from those pieces keeps the same rows."""
     checked = 0
     for seed in range(200):
-        call = random_call(seed)
-        if call is None:
+        both = _both_ways(seed)
+        if both is None:
             continue
-        seqs, stacked, found, (plain, pieced) = call
-        pieced.pieces = True
-        lengths = [len(s) for s in seqs]
-        want = stitch(seqs, Capture(cut(stacked, lengths)), found, B, plain)
-        before = pieced.copied_bytes
-        got = stitch(seqs, Capture(cut(stacked, lengths)), found, B, pieced)
-        assert pieced.copied_bytes == before, seed  # no join, no owned copy
+        seqs, want, got, (plain, pieced), copied = both
+        assert copied == 0, seed  # no join, no owned copy
         for x, y in zip(want, got, strict=True):
             assert (x is None) == (y is None), seed
             for u, v in zip(x or [], y or [], strict=True):
@@ -201,15 +212,10 @@ def test_pieces_outlive_what_made_them(tmp_path):
     never lands in them; the file written then holds the rows as joined
     before."""
     for seed in range(40):
-        call = random_call(seed)
-        if call is None:
+        both = _both_ways(seed)
+        if both is None:
             continue
-        seqs, stacked, found, (plain, pieced) = call
-        pieced.pieces = True
-        lengths = [len(s) for s in seqs]
-        want = stitch(seqs, Capture(cut(stacked, lengths)), found, B, plain)
-        got = stitch(seqs, Capture(cut(stacked, lengths)), found, B, pieced)
-        del stacked, call
+        seqs, want, got, (_, pieced), _ = both
         for ids in seqs:  # the store lets go of every block
             pieced.done(ids, B)
         pieced.blocks.clear()
