@@ -28,6 +28,9 @@ WORKER_CORE = {
     # The prefix-reuse seam the patches share with extract (stdlib
     # only): generate_guard's declaration module imports it.
     "specshim._prefix_reuse",
+    # The pieces a served sample is handed to extract's writer as (stdlib
+    # only at import): prefix_rows, which generate_guard imports, uses it.
+    "specshim._joined",
     "specshim._registry",
     "specshim._remote_code",
     "specshim._settings",
