@@ -77,14 +77,19 @@ class Joined:
     def element_size(self) -> int:
         return int(self.parts[0].element_size())
 
-    def tensor(self) -> Any:
-        """The rows as one tensor of their own (a copy, unless one piece is
-        already all of its storage)."""
-        import torch
-
+    def lone(self) -> Any:
+        """The one piece, where it is all of its storage (the rows as a
+        tensor of their own, uncopied); else None."""
         if len(self.parts) == 1 and alone(self.parts[0]):
             return self.parts[0]
-        return torch.cat(self.parts)
+        return None
+
+    def tensor(self) -> Any:
+        """The rows as one tensor of their own (a copy, unless ``lone``)."""
+        import torch
+
+        lone = self.lone()
+        return torch.cat(self.parts) if lone is None else lone
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(

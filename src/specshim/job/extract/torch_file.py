@@ -95,10 +95,10 @@ def _stand_ins(obj: Any, pieces: dict[int, list[Any]]) -> Any:
     ``joined_tensors`` gives ``torch.save``."""
     import torch
 
-    from specshim._joined import alone, replaced
+    from specshim._joined import replaced
 
     def stand_in(joined: Any) -> Any:
-        if not joined.shape[0] or (len(joined.parts) == 1 and alone(joined.parts[0])):
+        if not joined.shape[0] or joined.lone() is not None:
             return joined.tensor()
         size = joined.numel() * joined.element_size()
         storage = torch.UntypedStorage(size, device="cpu")
@@ -110,15 +110,11 @@ def _stand_ins(obj: Any, pieces: dict[int, list[Any]]) -> Any:
 
 def _tensor_bytes(tensor: Any) -> Any:
     """A packed CPU tensor's own bytes (not its storage's), as numpy."""
-    import torch
-
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise _ThisFileError(f"a piece on {tensor.device}, or not packed")
-    size = tensor.numel() * tensor.element_size()
-    flat = torch.empty(0, dtype=torch.uint8)
-    start = tensor.storage_offset() * tensor.element_size()
-    flat.set_(tensor.untyped_storage(), start, (size,))
-    return flat.numpy()
+    width = tensor.element_size()
+    start, size = tensor.storage_offset() * width, tensor.numel() * width
+    return _bytes_of(tensor.untyped_storage(), start, size)
 
 
 def _crc(data: Any) -> int:
@@ -137,13 +133,19 @@ def _size(data: Any) -> int:
 
 
 def _storage_bytes(storage: Any, size: int) -> Any:
-    import torch
-
     if storage.device.type != "cpu" or storage.nbytes() != size:
         raise _ThisFileError(f"a storage on {storage.device}")
+    return _bytes_of(storage, 0, size)
+
+
+def _bytes_of(storage: Any, start: int, size: int) -> Any:
+    """``size`` bytes of a CPU storage from byte ``start``, as numpy sharing
+    the storage's memory (no copy)."""
+    import torch
+
     flat = torch.empty(0, dtype=torch.uint8)
-    flat.set_(storage, 0, (size,))
-    return flat.numpy()  # shares the storage's memory
+    flat.set_(storage, start, (size,))
+    return flat.numpy()
 
 
 def _combine(seed: int, value: int) -> int:

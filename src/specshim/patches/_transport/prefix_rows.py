@@ -199,21 +199,15 @@ class _Call:
         self, i: int, heads: list[list[Any]], tail: list[Any], served: int, ran: int
     ) -> None:
         """Sequence i is its served blocks' rows, then ``tail``: with heads, a
-        view per layer (or the views of the pieces it spans), copied once
-        into the sequence's own storage; without, storage of its own
-        already (``Capture.owned``)."""
+        view per layer (or the views of the pieces it spans), joined once
+        (``_join``); without, storage of its own already (``Capture.owned``),
+        or a ``Joined`` of views where the store asks for pieces."""
 
-        if heads and self.store.pieces:
-            tail = [
-                Joined([*(head[n] for head in heads), *parts])
-                for n, parts in enumerate(tail)
-            ]
-        elif heads:
+        if heads:
             tail = [
                 self._join([*(head[n] for head in heads), *parts])
                 for n, parts in enumerate(tail)
             ]
-            self.store.copied_bytes += sum(_nbytes(t) for t in tail)
         self.out[i] = tail
         self.store.served_tokens += served
         self.store.computed_tokens += ran
@@ -221,14 +215,19 @@ class _Call:
             self.here.setdefault(block, (i, j))
 
     def _join(self, parts: list[Any]) -> Any:
-        """``parts`` one after another, in the call's room in the arena where
-        it has some left, else in fresh memory."""
+        """``parts`` one after another: as they lie, uncopied, where the store
+        asks for pieces; else copied into the call's room in the arena where
+        it has some left, else into fresh memory (the bytes counted)."""
         import torch
 
+        if self.store.pieces:
+            return Joined(parts)
         parts = merged(parts)
         rows = sum(part.shape[0] for part in parts)
         out = None if self.joins is None else self.joins.empty(rows, parts[0])
-        return torch.cat(parts) if out is None else torch.cat(parts, out=out)
+        joined = torch.cat(parts) if out is None else torch.cat(parts, out=out)
+        self.store.copied_bytes += _nbytes(joined)
+        return joined
 
 
 class Capture:
