@@ -261,3 +261,24 @@ def test_a_run_of_blocks_in_a_sequence_of_the_call_is_read_once(monkeypatch):
         for n in range(2):
             assert len(states[n].parts) == 2
             assert torch.equal(states[n].tensor(), torch.cat([kept[n], tail[n]]))
+
+
+def test_a_stand_in_never_written_from_its_pieces_is_refused(tmp_path, monkeypatch):
+    """Where a stand-in's storage is not found among the pieces as _save
+    writes it, its own bytes (no rows at all) would be written: refused,
+    and the file goes through torch.save of the joined rows instead."""
+    whole = torch.randn(9, 4)
+    data = {"hidden_states": [Joined([whole[:3], whole[5:9]])]}
+    original = torch_file._Records.write_record
+
+    def lost(self, name, record, size):  # the lookup misses every stand-in
+        self.pieces = {}
+        original(self, name, record, size)
+
+    monkeypatch.setattr(torch_file._Records, "write_record", lost)
+    want, got = _written(tmp_path, "data_0.pt", data)
+    assert got == want
+    assert (
+        torch_file._FALLBACK
+        and "not written from its pieces" in torch_file._FALLBACK[0]
+    )

@@ -67,12 +67,15 @@ class _Records:
     def __init__(self, pieces: dict[int, list[Any]]) -> None:
         self.records: list[tuple[str, Any]] = []
         self.pieces = pieces
+        self.pieced: set[int] = set()  # stand-ins written from their pieces
 
     def write_record(self, name: str, data: Any, size: int) -> None:
         if isinstance(data, str):
             data = data.encode()
         elif not isinstance(data, bytes):
             parts = self.pieces.get(data.data_ptr()) if size else None
+            if parts is not None:
+                self.pieced.add(data.data_ptr())
             data = _storage_bytes(data, size) if parts is None else _Pieces(parts)
             if _size(data) != size:
                 raise _UnsupportedError(f"record {name} is not {size} bytes")
@@ -219,6 +222,8 @@ def _records(obj: Any) -> list[tuple[str, Any]]:
     held = _stand_ins(obj, pieces)  # alive while _save reads it: unique addresses
     collected = _Records(pieces)
     serialization._save(held, collected, pickle, serialization.DEFAULT_PROTOCOL, False)
+    if collected.pieced != pieces.keys():  # a stand-in's own bytes are no rows
+        raise _UnsupportedError("a Joined was not written from its pieces")
     return collected.records
 
 
