@@ -17,6 +17,9 @@ run, each part in a process of its own (gpu_parts.py says what each times):
 * ``reuse`` (named only, not among the default parts): issue 47's three data
   sets through ``extract --reuse-prefixes`` against ``extract``
   (reuse_bench.py, one run a side).
+* ``reuse-calls`` (named only): the library path's ``generate()`` calls over
+  the ``system`` data set with the prefix cache off and on, each call's time,
+  its engine steps and tokens, and profiles of a few (gpu_reuse_calls.py).
 
 The peer at its best: prefill and native are each the best of 2 timed passes
 after a warm-up, run at vLLM's default ``gpu_memory_utilization`` and at
@@ -96,6 +99,21 @@ def spawn(args: argparse.Namespace, part: str, **options: Any) -> dict[str, Any]
     return found
 
 
+def calls_line(found: dict[str, Any]) -> str:
+    """reuse-calls' figures in one line of the output (the logs may not come
+    back from a lent host)."""
+    if "error" in found:
+        return found["error"]
+    worker = found.get("worker_profile", {})
+    return (
+        f"median {found['median_after_first_s']} s a call (calls {found['calls_s']}); "
+        f"steps a call {found['steps_per_call']}; tokens a step "
+        f"{found['tokens_per_step'][-2:]}; profiled {worker.get('calls')} calls "
+        f"{worker.get('wall_s')} s, GPU busy {worker.get('device_us')} us, "
+        f"copies {worker.get('copies_us')}"
+    )
+
+
 def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     """The parts named by ``--parts``, added to what earlier runs of this
     model on this checkpoint and data found (a lent host's calls are 10
@@ -105,6 +123,11 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
     for part in args.parts.split(","):
         if part == "native" and MODELS[args.model][0] == "deepseek_v3":
             parts[part] = {"error": "vLLM's native extraction refuses MLA models"}
+            continue
+        if part == "reuse-calls":  # the library path's calls, cache off and on
+            for reuse in ("0", "1"):
+                found = parts[label(part, reuse=reuse)] = spawn(args, part, reuse=reuse)
+                log(f"{label(part, reuse=reuse)}: {calls_line(found)}")
             continue
         if part in PEERS:
             for util in ("default", str(EXTRACT_UTILIZATION)):
@@ -171,6 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--reuse", type=int, default=0, help=argparse.SUPPRESS)
     return parser
 
 

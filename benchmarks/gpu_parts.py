@@ -23,6 +23,7 @@ from typing import Any
 
 from gpu_models import DUMMY_WEIGHTS, MODELS, build_model, state_bytes_per_token
 from gpu_profiles import profiled, worker_profiled
+from gpu_reuse_calls import part_reuse_calls
 from plan import extract_timing
 
 MAX_MODEL_LEN = 2048
@@ -378,6 +379,7 @@ PARTS = {
     "extract": part_extract,
     "disk": part_disk,
     "reuse": part_reuse,
+    "reuse-calls": part_reuse_calls,
 }
 
 # Parts that outlast --part-timeout's default: six engine starts.
