@@ -170,13 +170,25 @@ def set_generate_budget(args: argparse.Namespace) -> int:
     return budget
 
 
+def make_generator(args: argparse.Namespace) -> Any:
+    """speculators' generator on ``--model``'s checkpoint, as extract makes it."""
+    import importlib
+
+    return importlib.import_module(
+        "speculators.data_generation"
+    ).VllmHiddenStatesGenerator(
+        str(args.model_dir),
+        layer_ids=MODELS[args.model][2],
+        max_model_len=MAX_MODEL_LEN,
+        gpu_memory_utilization=EXTRACT_UTILIZATION,
+    )
+
+
 def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
     """speculators' generate() with specshim, batches of 32, no files; at
     ``--budget`` tokens a step where given (extract's --max-batched-tokens),
     else at the budget ``extract`` takes on a GPU, so that extract ÷
     generate compares the two at one step budget."""
-    import importlib
-
     budget = set_generate_budget(args)
     from specshim.testing.worker_probes import backends, early_fetches
 
@@ -185,14 +197,7 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
 
         install()
 
-    generator = importlib.import_module(
-        "speculators.data_generation"
-    ).VllmHiddenStatesGenerator(
-        str(args.model_dir),
-        layer_ids=MODELS[args.model][2],
-        max_model_len=MAX_MODEL_LEN,
-        gpu_memory_utilization=EXTRACT_UTILIZATION,
-    )
+    generator = make_generator(args)
     size = batch_size(args)
     batches = [data[i : i + size] for i in range(0, len(data), size)]
     generator.generate(batches[0])  # warm-up

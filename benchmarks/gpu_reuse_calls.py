@@ -15,13 +15,11 @@ and by CPU time, in the part's log) and the main process's cProfile.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import statistics
 import time
 from typing import Any
 
-from gpu_models import MODELS
 from gpu_profiles import profiled, worker_profiled
 from reuse_bench import VOCAB, dataset
 
@@ -32,19 +30,12 @@ PROFILED = 3  # calls under each profiler (worker's, then main's), after the tim
 
 def part_reuse_calls(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
     del data  # reuse_bench's data set, not the bench's
-    from gpu_parts import EXTRACT_UTILIZATION, MAX_MODEL_LEN, set_generate_budget
+    from gpu_parts import make_generator, set_generate_budget
 
     if args.reuse:
         os.environ["SPECSHIM_REUSE_PREFIXES"] = "1"  # read as the generator starts
     budget = set_generate_budget(args)
-    generator = importlib.import_module(
-        "speculators.data_generation"
-    ).VllmHiddenStatesGenerator(
-        str(args.model_dir),
-        layer_ids=MODELS[args.model][2],
-        max_model_len=MAX_MODEL_LEN,
-        gpu_memory_utilization=EXTRACT_UTILIZATION,
-    )
+    generator = make_generator(args)
     cache = generator.vllm_config.cache_config
     samples = dataset("system", SAMPLES, VOCAB)
     batches = [samples[i : i + BATCH] for i in range(0, len(samples), BATCH)]
