@@ -221,13 +221,13 @@ class PrefixRows:
             self._offer_planned(hashes, layers, block_size, self.uses)
             return
         self._used(hashes)
-        size = self._block_bytes(layers, block_size)
-        for j, block in enumerate(hashes):
-            if block in self.blocks:
-                continue
+        held = 0  # the chain's held blocks lead it (every one's parent is held)
+        while held < len(hashes) and hashes[held] in self.blocks:
+            held += 1
+        if held < len(hashes):
+            size = self._block_bytes(layers, block_size) * (len(hashes) - held)
             self._room(size, keep=set(hashes))
-            if not self._keep(hashes[j : j + 1], layers, j, block_size):
-                break  # the blocks after it could never be served
+            self._keep(hashes[held:], layers, held, block_size)
         self._used(hashes)
 
     def _offer_planned(
@@ -284,12 +284,54 @@ class PrefixRows:
                 self.blocks.move_to_end(block)
 
     def _room(self, size: int, keep: set[Hashable]) -> None:
-        """Drop the least recent blocks, none of ``keep``, until ``size`` fits."""
-        while self.blocks and self.held_bytes + size > self.cap_bytes:
+        """Drop the least recent blocks, none of ``keep``, until ``size`` fits.
+
+        A copy's memory goes with its last block; where blocks of a copy are
+        dropped and others are still held (a chain's head that other chains
+        share), those are copied anew, alone, once the dropping is done
+        (``_shrink``): what is held never counts memory of dropped rows."""
+        dropped: dict[_Group, int] = {}  # copies still held: rows dropped
+        while self.blocks:
+            freed = sum(g.nbytes // g.count * n for g, n in dropped.items())
+            if self.held_bytes - freed + size <= self.cap_bytes:
+                break
             oldest = next(iter(self.blocks))
             if oldest in keep:
-                return  # the chain being offered is all that is held
+                break  # the chain being offered is all that is held
+            group = self.group[oldest]
             self._drop(oldest)
+            if group.held:
+                dropped[group] = dropped.get(group, 0) + 1
+            else:
+                dropped.pop(group, None)
+        for group in dropped:
+            self._shrink(group)
+
+    def _shrink(self, group: _Group) -> None:
+        """Copy ``group``'s held blocks into a copy of their own, in the order
+        they had, and let the old one go."""
+        import torch
+
+        base = group.rows[0]
+        blocks = sorted(
+            (b for b, g in self.group.items() if g is group),
+            key=lambda b: self.blocks[b][0].data_ptr() - base.data_ptr(),
+        )
+        rows = base.shape[0] // group.count  # a block's
+        nbytes = group.nbytes // group.count * len(blocks)
+        alone = _Group(
+            [
+                torch.cat([self.blocks[b][k] for b in blocks])
+                for k in range(len(group.rows))
+            ],
+            len(blocks),
+            nbytes,
+        )
+        self.copied_bytes += nbytes
+        for n, block in enumerate(blocks):
+            self.blocks[block] = [h[n * rows : (n + 1) * rows] for h in alone.rows]
+            self.group[block] = alone
+        self.held_bytes += nbytes - group.nbytes
 
     def _drop(self, block: Hashable) -> None:
         """Let go of ``block``; its copy's bytes once no block of it is held."""
@@ -305,7 +347,8 @@ class _Group:
     """Consecutive blocks kept as one copy (per layer), and how many of them
     are still held: its memory goes with the last."""
 
-    __slots__ = ("held", "nbytes", "rows")
+    __slots__ = ("count", "held", "nbytes", "rows")
 
     def __init__(self, rows: list[Any], held: int, nbytes: int) -> None:
         self.rows, self.held, self.nbytes = rows, held, nbytes
+        self.count = held  # blocks in the copy
