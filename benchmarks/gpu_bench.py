@@ -141,6 +141,8 @@ def run_parts(args: argparse.Namespace) -> dict[str, Any]:
         if part in ("generate", "extract") and args.batch_sizes:
             for size in args.batch_sizes.split(","):
                 parts[label(part, batch=size)] = spawn(args, part, batch=size)
+        if part == "generate" and args.hold:
+            parts[label(part, hold=args.hold)] = spawn(args, part, hold=args.hold)
         if part == "extract" and args.writer_threads:
             for threads in args.writer_threads.split(","):
                 parts[label(part, threads=threads)] = spawn(args, part, threads=threads)
@@ -187,6 +189,14 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="after the timed run, this many batches of generate() under "
         "torch's profiler in the worker (GPU busy time, copies)",
+    )
+    parser.add_argument(
+        "--hold",
+        type=int,
+        default=0,
+        help="also run generate keeping the last N calls' results alive, as "
+        "extract's writer does (about 3): is extract's generate() slower for "
+        "the memory it holds, or for the writer's work beside it?",
     )
     parser.add_argument("--part-timeout", type=int, default=300)
     parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)

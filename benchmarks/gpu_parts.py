@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ def label(part: str, **options: Any) -> str:
     (extract@32768: a step budget; extract@t4: the writer's pool at 4
     threads; generate@b128: 128 sequences a call; prefill@0.8: a memory
     setting)."""
-    marks = {"threads": "t", "batch": "b"}
+    marks = {"threads": "t", "batch": "b", "hold": "h"}
     return part + "".join(f"@{marks.get(k, '')}{v}" for k, v in options.items() if v)
 
 
@@ -203,11 +204,12 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
     generator.generate(batches[0])  # warm-up
     passes = []
     for _ in range(PASSES):
+        held: deque[Any] = deque(maxlen=args.hold)  # as extract's writer holds
         start = time.perf_counter()
         for batch in batches:
-            results = generator.generate(batch)
-            del results
+            held.append(generator.generate(batch))
         passes.append(time.perf_counter() - start)
+        held.clear()
     rpc = generator.executor.collective_rpc
     found = _best(passes) | {"backends": rpc(backends)[0]}
     # The calls whose rows left as they were captured (early_copies).

@@ -195,7 +195,8 @@ def test_the_library_store_copies_a_chain_once_and_holds_no_dropped_rows():
             states, hashes = _states(len(ids), n), chain(ids, B)
             before = set(store.blocks)
             store.offer(ids, states, B)
-            new = [j for j, h in enumerate(hashes) if h in store.blocks and h not in before]
+            kept = set(store.blocks) - before
+            new = [j for j, h in enumerate(hashes) if h in kept]
             for j in new:
                 offered[hashes[j]] = [h[j * B : (j + 1) * B].clone() for h in states]
             copies = {
