@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from gpu_models import DUMMY_WEIGHTS, MODELS, build_model, state_bytes_per_token
@@ -201,17 +202,22 @@ def part_generate(args: argparse.Namespace, data: list[list[int]]) -> dict[str, 
     generator = make_generator(args)
     size = batch_size(args)
     batches = [data[i : i + size] for i in range(0, len(data), size)]
-    generator.generate(batches[0])  # warm-up
-    passes = []
+    start = time.perf_counter()
+    generator.generate(batches[0])  # warm-up, untimed (extract times its first)
+    first = time.perf_counter() - start
+    passes, calls = [], []
     for _ in range(PASSES):
         held: deque[Any] = deque(maxlen=args.hold)  # as extract's writer holds
         start = time.perf_counter()
         for batch in batches:
+            began = time.perf_counter()
             held.append(generator.generate(batch))
+            calls.append(time.perf_counter() - began)
         passes.append(time.perf_counter() - start)
         held.clear()
     rpc = generator.executor.collective_rpc
     found = _best(passes) | {"backends": rpc(backends)[0]}
+    found["calls_s"] = {"first": round(first, 3), "median": round(median(calls), 3)}
     # The calls whose rows left as they were captured (early_copies).
     found["early_fetches"] = f"{rpc(early_fetches)[0]} of {1 + PASSES * len(batches)}"
     # What the scheduler ran at, read back: the figure names its real budget.

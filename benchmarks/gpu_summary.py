@@ -105,6 +105,7 @@ def summarise(model: str, parts: dict[str, Any], tokens: int) -> dict[str, Any]:
         "backends": parts.get("generate", {}).get("backends"),
         "worker_profile": parts.get("generate", {}).get("worker_profile"),
         "kv_cache_tokens": parts.get("generate", {}).get("kv_cache_tokens"),
+        "generate_calls": parts.get("generate", {}).get("calls_s"),
         "reuse": parts.get("reuse") if "error" not in parts.get("reuse", {}) else None,
         "stack": _stack(),
         "date": time.strftime("%Y-%m-%d"),
@@ -200,6 +201,7 @@ def _notes(name: str, s: dict[str, Any]) -> list[str]:
         )
     for label, timing in (s.get("extract_timing") or {}).items():
         notes.append(f"- {name}: {timing_sentence(label, timing)}.")
+    notes += _call_notes(name, s)
     notes += _step_notes(name, s) + _thread_notes(name, s) + _batch_notes(name, s)
     notes += _profile_notes(name, s) + _reuse_notes(name, s)
     met = s.get("targets") or {}
@@ -217,6 +219,22 @@ def _notes(name: str, s: dict[str, Any]) -> list[str]:
     if s.get("errors"):
         notes.append(f"- {name}: failed parts: {json.dumps(s['errors'])[:400]}")
     return notes
+
+
+def _call_notes(name: str, s: dict[str, Any]) -> list[str]:
+    """generate()'s calls beside extract's: the table's generate() excludes
+    its first call (a warm-up), extract's rate starts at its first."""
+    calls = s.get("generate_calls")
+    timing = (s.get("extract_timing") or {}).get("extract") or {}
+    if not calls or "generate_median" not in timing:
+        return []
+    return [
+        f"- {name}: a generate() call took {calls['first']} s first (the "
+        f"untimed warm-up) and {calls['median']} s at the median; in extract "
+        f"{timing['generate_first']} s first (timed) and "
+        f"{timing['generate_median']} s at the median: median against median, "
+        f"extract ÷ generate {calls['median'] / timing['generate_median']:.3f}."
+    ]
 
 
 def _step_notes(name: str, s: dict[str, Any]) -> list[str]:
