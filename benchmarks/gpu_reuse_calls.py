@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Any
 
-from gpu_profiles import profiled, worker_profiled
+from gpu_profiles import counted_steps, profiled, worker_profiled
 from reuse_bench import VOCAB, dataset
 
 SAMPLES = 512
@@ -39,24 +39,15 @@ def part_reuse_calls(args: argparse.Namespace, data: list[list[int]]) -> dict[st
     cache = generator.vllm_config.cache_config
     samples = dataset("system", SAMPLES, VOCAB)
     batches = [samples[i : i + BATCH] for i in range(0, len(samples), BATCH)]
-    steps: list[int] = []
-    executor = generator.executor
-    execute = executor.execute_model
-
-    def counted(scheduler_output: Any, *a: Any, **k: Any) -> Any:
-        steps.append(int(scheduler_output.total_num_scheduled_tokens))
-        return execute(scheduler_output, *a, **k)
-
-    executor.execute_model = counted
     calls, per_call, n = [], [], PROFILED
-    for batch in batches[: -2 * n]:
-        before = len(steps)
-        start = time.perf_counter()
-        results = generator.generate(batch)
-        calls.append(round(time.perf_counter() - start, 4))
-        per_call.append(steps[before:])
-        del results
-    del executor.execute_model
+    with counted_steps(generator.executor) as steps:
+        for batch in batches[: -2 * n]:
+            before = len(steps)
+            start = time.perf_counter()
+            results = generator.generate(batch)
+            calls.append(round(time.perf_counter() - start, 4))
+            per_call.append(steps[before:])
+            del results
     found: dict[str, Any] = {
         "reuse": bool(args.reuse),
         "prefix_caching": bool(cache.enable_prefix_caching),

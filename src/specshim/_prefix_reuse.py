@@ -290,7 +290,7 @@ class PrefixRows:
         dropped and others are still held (a chain's head that other chains
         share), those are copied anew, alone, once the dropping is done
         (``_shrink``): what is held never counts memory of dropped rows."""
-        dropped: dict[_Group, int] = {}  # copies still held: rows dropped
+        dropped: dict[_Group, int] = {}  # copies still held: blocks dropped
         while self.blocks:
             freed = sum(g.nbytes // g.count * n for g, n in dropped.items())
             if self.held_bytes - freed + size <= self.cap_bytes:
