@@ -112,6 +112,28 @@ def writer_threads() -> int | None:
     )
 
 
+# The slabs a worker makes for the captured states as soon as the capture is
+# set up, before the first call (patches/worker/prepared_slabs.py): for calls
+# of at most SLAB_ROWS rows, SLABS of them (``extract`` sets both).
+SLAB_ROWS = "SPECSHIM_SLAB_ROWS"
+SLABS = "SPECSHIM_SLABS"
+
+
+def prepared_slabs() -> tuple[int, int] | None:
+    """``(rows, count)``: the slabs to make before the first call, for calls
+    of at most ``rows`` captured rows (``SPECSHIM_SLAB_ROWS``), ``count`` of
+    them (``SPECSHIM_SLABS``, 1 where not set); None where no rows are given."""
+    rows = _whole_number(
+        SLAB_ROWS, 0, "the most rows a call captures, a whole number (0: none)"
+    )
+    count = _whole_number(
+        SLABS, 0, "how many slabs to make before the first call, a whole number"
+    )
+    if not rows or count == 0:
+        return None
+    return rows, 1 if count is None else count
+
+
 # How many calls' joined rows the main process keeps memory mapped for, with
 # the prefix cache on (patches/_transport/row_arena.py).
 STITCH_REGIONS = "SPECSHIM_STITCH_REGIONS"

@@ -257,9 +257,15 @@ def format_model_report(data: dict[str, Any]) -> str:
 def environment_problems(data: dict[str, Any]) -> list[str]:
     """``SPECSHIM_*`` values that are not knobs but still wrong: a patch id
     ``SPECSHIM_DISABLE`` names that no patch has (a typo turns nothing off),
-    and a ``SPECSHIM_SHM_MIB``, ``SPECSHIM_STITCH_REGIONS`` or
-    ``SPECSHIM_WRITER_THREADS`` that is no number."""
-    from specshim._base import shm_limit, stitch_regions, writer_threads
+    and a ``SPECSHIM_SHM_MIB``, ``SPECSHIM_STITCH_REGIONS``,
+    ``SPECSHIM_WRITER_THREADS``, ``SPECSHIM_SLAB_ROWS`` or ``SPECSHIM_SLABS``
+    that is no number."""
+    from specshim._base import (
+        prepared_slabs,
+        shm_limit,
+        stitch_regions,
+        writer_threads,
+    )
     from specshim._settings import disabled_ids
 
     problems = []
@@ -270,7 +276,7 @@ def environment_problems(data: dict[str, Any]) -> list[str]:
             f"SPECSHIM_DISABLE names no patch: {', '.join(unknown)}; it turns "
             "nothing off under those names (the ids are in the table above)"
         )
-    for read in (shm_limit, stitch_regions, writer_threads):
+    for read in (shm_limit, stitch_regions, writer_threads, prepared_slabs):
         try:
             read()
         except UsageError as exc:

@@ -35,6 +35,7 @@ from specshim._base import (
     GENERATOR,
     SpecShimError,
     UsageError,
+    prepared_slabs,
     shm_limit,
     stitch_regions,
 )
@@ -304,7 +305,7 @@ def require_valid_environment() -> None:
     with _lock:
         refused = [_chosen.get(knob.name) for knob in KNOBS]
     errors = [value.message for value in refused if isinstance(value, Refused)]
-    for read in (shm_limit, stitch_regions):  # read later; refused here first
+    for read in (shm_limit, stitch_regions, prepared_slabs):  # refused here first
         try:
             read()
         except UsageError as exc:

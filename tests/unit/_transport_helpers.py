@@ -43,3 +43,15 @@ def _received(reply: Any) -> list[torch.Tensor]:
     if isinstance(reply, list):  # the fallback: one array per layer
         return [pickle.loads(pickle.dumps(d, protocol=5)) for d in reply]
     return pickle.loads(pickle.dumps(reply, protocol=5))
+
+
+def _fetch(worker: _Worker, seed: int) -> list[torch.Tensor]:
+    """One call of three rows through ``state_transport.send`` to the caller,
+    checked against what was captured."""
+    from specshim.patches.worker import state_transport
+
+    worker._captured_states = _states([_forward([[seed, seed + 1, seed + 2]])])
+    rows = _received(state_transport.send(worker, worker._captured_states, [(0, 0, 3)]))
+    for got, want in zip(rows, worker._captured_states, strict=True):
+        assert torch.equal(got, want[0])
+    return rows

@@ -220,6 +220,8 @@ def test_extract_leaves_the_library_settings_as_it_found_them(
         ("SPECSHIM_SHM_MIB", "lots", "SPECSHIM_SHM_MIB=lots: give the most MiB"),
         ("SPECSHIM_WRITER_THREADS", "0", "SPECSHIM_WRITER_THREADS=0: give how many"),
         ("SPECSHIM_STITCH_REGIONS", "four", "SPECSHIM_STITCH_REGIONS=four: give how"),
+        ("SPECSHIM_SLAB_ROWS", "-1", "SPECSHIM_SLAB_ROWS=-1: give the most rows"),
+        ("SPECSHIM_SLABS", "2x", "SPECSHIM_SLABS=2x: give how many slabs"),
     ],
 )
 def test_doctor_lists_a_wrong_environment_value_as_a_problem(

@@ -12,11 +12,11 @@ import os
 import torch
 
 from specshim.patches._transport import handed_states as _handed_states
+from specshim.patches._transport import host_slabs as _host_slabs
 from specshim.patches._transport import shared_states as _shared_states
 from specshim.patches._transport.shared_states import HostRegion
-from specshim.patches.worker import state_transport
 
-from ._transport_helpers import _forward, _received, _states, _Worker
+from ._transport_helpers import _fetch, _forward, _Worker
 
 
 def _ahead_worker(directory: str | None = None) -> tuple[_Worker, HostRegion]:
@@ -26,14 +26,6 @@ def _ahead_worker(directory: str | None = None) -> tuple[_Worker, HostRegion]:
     return worker, region
 
 
-def _fetch(worker: _Worker, seed: int) -> list[torch.Tensor]:
-    worker._captured_states = _states([_forward([[seed, seed + 1, seed + 2]])])
-    rows = _received(state_transport.send(worker, worker._captured_states, [(0, 0, 3)]))
-    for got, want in zip(rows, worker._captured_states, strict=True):
-        assert torch.equal(got, want[0])
-    return rows
-
-
 def test_a_caller_holding_its_slabs_gets_the_next_one_made_ahead():
     worker, region = _ahead_worker()
     held = [_fetch(worker, 1)]
@@ -41,8 +33,8 @@ def test_a_caller_holding_its_slabs_gets_the_next_one_made_ahead():
     assert made is not None  # the caller holds the only slab
     made.join()
     held.append(_fetch(worker, 2))
-    assert made.slab in region.slabs and len(region.slabs) == 2
-    assert made.slab.path in _handed_states._ATTACHED  # the second call's rows
+    assert made.paths[0] in [s.path for s in region.slabs] and len(region.slabs) == 2
+    assert made.paths[0] in _handed_states._ATTACHED  # the second call's rows
     assert region.ahead is not None  # still every slab held: one more ahead
     held.append(_fetch(worker, 3))
     assert len(region.slabs) == 3
@@ -81,18 +73,18 @@ def test_a_slab_that_cannot_be_made_ahead_is_made_by_the_call_silently(
 ):
     made = []
 
-    class Refusing(_shared_states.Slab):
+    class Refusing(_host_slabs.Slab):
         def __init__(self, path: str, size: int) -> None:
             made.append(path)
             if len(made) == 2:  # the one made ahead
                 raise OSError(errno.ENOSPC, "No space left on device")
             super().__init__(path, size)
 
-    monkeypatch.setattr(_shared_states, "Slab", Refusing)
+    monkeypatch.setattr(_host_slabs, "Slab", Refusing)
     worker, region = _ahead_worker()
     held = [_fetch(worker, 1)]
     region.ahead.join()
-    assert region.ahead.slab is None
+    assert region.ahead.take(wait=False) == ([], True)  # none made ahead
     held.append(_fetch(worker, 2))  # made here instead
     assert len(made) >= 3 and len(region.slabs) == 2
     assert caplog.text == ""

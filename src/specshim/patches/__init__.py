@@ -47,6 +47,7 @@ from specshim.patches.worker import row_provenance
 from specshim.patches.worker import row_provenance_rpc
 from specshim.patches.worker import state_transport
 from specshim.patches.worker import state_order_rpc
+from specshim.patches.worker import prepared_slabs
 from specshim.patches.worker import capture_contract
 from specshim.patches.worker import cpu_amx_tiles
 # isort: on
@@ -82,6 +83,7 @@ WORKER = (
     row_provenance_rpc,
     state_transport,
     state_order_rpc,
+    prepared_slabs,
     capture_contract,
     cpu_amx_tiles,  # last: the outermost wrapper (capture-hooks calls no original)
 )

@@ -19,20 +19,21 @@ directory, can write into it at once.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from specshim import _settings
-from specshim._base import SpecShimError, UsageError
+from specshim._base import SLAB_ROWS, SLABS, SpecShimError, UsageError
 from specshim._environ import scoped_environ
 from specshim._prefix_reuse import REUSE
 from specshim.job.extract import reuse, startup
 from specshim.job.extract.feed import Feed, Todo
 from specshim.job.extract.options import ExtractOptions
 from specshim.job.extract.plan import RunPlan, plan_run
-from specshim.job.extract.writer import Progress, Writer, drain
+from specshim.job.extract.writer import IN_FLIGHT, Progress, Writer, drain
 from specshim.job.inputs.tokenizing import warn_truncated
 from specshim.job.kv_cache import cpu_kv_cache_space, cpu_kv_space, on_cpu
 from specshim.job.outdir import store as _store
@@ -256,21 +257,27 @@ class _Pipeline:
             "timing": timing,
         }
 
-    def _start(self) -> None:
+    def _start(self, first: list[Todo] | None = None) -> None:
+        """Start the engine; with the ``first`` batch in hand, its workers
+        make the slabs the writer will hold while they start (one for each
+        batch in flight: ``IN_FLIGHT``), sized for batches of its tokens."""
         plan = self.plan
         space = None
         if on_cpu():
             space, source = cpu_kv_space(plan.cpu_kv_space_gib, plan.kv_need_bytes)
             logger.info("extract: vLLM CPU KV-cache space %d GiB (%s)", space, source)
-        reusing = {REUSE: "1"} if plan.reuse_prefixes else {}
-        with cpu_kv_cache_space(space), scoped_environ(reusing), startup.announced():
+        wanted = {REUSE: "1"} if plan.reuse_prefixes else {}
+        if first and not {SLAB_ROWS, SLABS} & os.environ.keys():  # or the user's
+            rows = sum(len(todo) for todo in first)
+            wanted |= {SLAB_ROWS: str(rows), SLABS: str(IN_FLIGHT)}
+        with cpu_kv_cache_space(space), scoped_environ(wanted), startup.announced():
             self.generator = _make_generator(plan)
         self.progress = Progress(plan.progress)
         self.writer = Writer(self.run_, self.progress)
 
     def _step(self, batch: list[Todo]) -> None:
         if self.generator is None:
-            self._start()
+            self._start(batch)
         assert self.writer is not None
         self.writer.check()
         if self.first_generate is None:

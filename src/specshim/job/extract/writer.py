@@ -25,6 +25,9 @@ from specshim.job.outdir.store import final_path
 logger = logging.getLogger("specshim.job.extract.command")
 
 WRITERS = 8  # threads serializing a batch's files (at most one per core)
+# Batches whose states are alive at once: one generating, one waiting, one
+# serializing, one committing (``Writer``'s backpressure).
+IN_FLIGHT = 4
 _SERIALIZED = object()  # the pending batch's files are all serialized
 
 

@@ -3,10 +3,13 @@ the caller's, in one place.
 
 Rooms:
 
-* ``slab``: a slab's header words, shared by both sides.
-* ``shared_states``: the worker's side. Slabs of shared, pinned host memory
-  in ``/dev/shm``, the descriptor that maps one in the main process, and the
-  fallback (rows as numpy, copied on arrival) where no slab can be had.
+* ``slab``: a slab's header words and file names, shared by both sides.
+* ``shared_states``: the worker's side. Its slabs of shared, pinned host
+  memory in ``/dev/shm`` (which one a call may write, and when), the
+  descriptor that maps one in the main process, and the fallback (rows as
+  numpy, copied on arrival) where no slab can be had.
+* ``host_slabs``: one slab, and the thread that makes them beside the GPU's
+  work or vLLM's start-up (``prepared-slabs``).
 * ``early_copies``: the worker's copies of a call's layers into its slab,
   made as each layer is captured, used where they are exactly what the fetch
   would write.
@@ -26,7 +29,8 @@ Rooms:
 * ``threads``: the main process's copies on more than one core, where the
   states are copied after all.
 
-The patches that use it: ``worker/state_transport.py`` (the worker's reply)
-and ``main/generate_guard.py`` (the proof). Who owns what and when:
+The patches that use it: ``worker/state_transport.py`` (the worker's reply),
+``worker/prepared_slabs.py`` (slabs made before the first call) and
+``main/generate_guard.py`` (the proof). Who owns what and when:
 ``shared_states``' docstring, and ../shared/design/state-transport.md.
 """

@@ -21,7 +21,12 @@ from typing import Any
 
 from specshim._base import pid_alive
 from specshim._closing import when_workers_gone
-from specshim.patches._transport.slab import HEADER, read_word, unlink_quietly
+from specshim.patches._transport.slab import (
+    HEADER,
+    files_of,
+    read_word,
+    unlink_quietly,
+)
 
 
 def _dtype(name: str) -> Any:
@@ -121,12 +126,16 @@ def forget(pids: Any) -> None:
         if owner in gone or not pid_alive(owner):
             del _ATTACHED[path]
             _sweep(path)
+    for pid in gone:  # slabs made before any call (``prepared-slabs``)
+        if not pid_alive(pid):
+            for leftover in glob.glob(files_of(pid)):
+                unlink_quietly(leftover)
 
 
 def _sweep(path: str) -> None:
     """Remove the files of ``path``'s region that nobody attached: a worker
     that was killed cannot remove the slab it made ahead for a call that
-    never came (``shared_states._Ahead``)."""
+    never came (``host_slabs.Ahead``)."""
     region = path.rsplit("-", 1)[0] + "-"
     for leftover in glob.glob(glob.escape(region) + "*"):
         unlink_quietly(leftover)

@@ -43,9 +43,15 @@ writer holds the states of the calls it is still writing, needs a slab for
 each of them until the first are written (kimi-width: ``generate()`` took
 8.0 s inside ``extract`` against 4.5 s alone). So where the states come from
 a GPU, a call that found no free slab of its size has the next one made
-beside the GPU's work, on a thread of its own (``_Ahead``): the next call
-takes it. At most one is made ahead at a time, and only while the caller
-holds every slab that fits; it costs the space of one slab more.
+beside the GPU's work, on a thread of its own (``host_slabs.Ahead``): the
+next call takes it. At most one is made ahead at a time, and only while the caller
+holds every slab that fits; it costs the space of one slab more. Where the
+caller says before the first call how many rows its calls capture at most
+(``SPECSHIM_SLAB_ROWS``, ``extract`` does: its first batch's; and how many
+slabs, ``SPECSHIM_SLABS``), the slabs are made on that thread as soon as the
+capture is set up (``prepare``), beside vLLM's KV-cache allocation and
+warm-up instead of on the first calls' path; a call that finds none of them
+made yet waits for the next rather than making its own.
 
 Where no slab can be had (``/dev/shm`` missing or too small: a container's
 default is 64 MiB; or ``SPECSHIM_SHM_MIB``, the most the slabs may take), the
@@ -63,17 +69,16 @@ import logging
 import mmap
 import os
 import secrets
-import threading
 from typing import Any
 
 from specshim._base import SHM_LIMIT, shm_limit
-from specshim.patches._transport.slab import HEADER, read_word, unlink_quietly
+from specshim.patches._transport import host_slabs as _slabs
+from specshim.patches._transport.slab import DIRECTORY, HEADER, PREFIX
 
 logger = logging.getLogger(__name__)
 
 MAX_SLABS = 8  # calls whose states the caller may hold before the fallback
 _GROW = 1.25  # headroom, so slowly rising batch sizes do not retire slabs often
-_DIRECTORY = "/dev/shm"
 _COST = (
     "every byte of those states is copied twice more on the host (into vLLM's "
     "queue and out of it): on an H200, generate() ran at 0.23 of its speed "
@@ -128,93 +133,31 @@ def _uint8() -> Any:
     return torch.uint8
 
 
-class Slab:
-    """One file in ``/dev/shm``, mapped by the worker."""
-
-    def __init__(self, path: str, size: int) -> None:
-        import torch
-
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            # tmpfs allocates lazily: reserve now, or a full /dev/shm kills the
-            # worker with SIGBUS in the middle of a copy.
-            os.posix_fallocate(fd, 0, size)
-            mapping = mmap.mmap(fd, size)
-        except OSError:
-            unlink_quietly(path)
-            raise
-        finally:
-            os.close(fd)
-        self.path, self.mapping = path, mapping
-        self.base = torch.frombuffer(mapping, dtype=torch.uint8)
-        self.generation = 0
-        self.pinned = False
-
-    @property
-    def capacity(self) -> int:
-        return self.base.numel() - HEADER
-
-    def free(self) -> bool:
-        """New, or released by the main process since its last fetch."""
-        return self.generation == read_word(self.mapping, 8)
-
-    def stamp(self, generation: int) -> None:
-        self.generation = generation
-        self.mapping[:8] = generation.to_bytes(8, "little")
-
-    def pin(self) -> bool:
-        import torch
-
-        result = torch.cuda.cudart().cudaHostRegister(
-            self.base.data_ptr(), self.base.numel(), 0
-        )
-        if getattr(result, "value", result) != 0:
-            logger.warning(
-                "specshim: could not pin %d MiB of shared memory for the captured "
-                "states (cudaHostRegister: %s); copies go unpinned, more slowly",
-                self.base.numel() >> 20,
-                result,
-            )
-            return False
-        self.pinned = True
-        return True
-
-    def close(self) -> None:
-        """Unpin and drop the mapping; remove the file if nobody attached it."""
-        if self.pinned:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
-        self.pinned = False
-        self.base = self.mapping = None  # views elsewhere keep the memory alive
-        unlink_quietly(self.path)
-
-
 class HostRegion:
     """A worker's slabs (see the module docstring for who may write them and
     when)."""
 
-    def __init__(self, directory: str = _DIRECTORY) -> None:
+    def __init__(self, directory: str = DIRECTORY) -> None:
         self.directory = directory
-        self.prefix = f"specshim-states-{os.getpid()}-{secrets.token_hex(4)}"
-        self.slabs: list[Slab] = []
+        self.prefix = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.slabs: list[_slabs.Slab] = []
         self.retired: list[str] = []  # closed since the last descriptor
         self.generation = 0
         self.pin_failed = False
         self.failure: str | None = None  # why the fallback is in use for good
         self.limit = shm_limit()  # bytes the slabs may take (None: no cap)
         self.warned: set[str] = set()  # the causes already logged
-        self.ahead: _Ahead | None = None  # the next call's slab, being made
+        self.ahead: _slabs.Ahead | None = None  # the next call's slab, being made
         self.make_ahead: bool | None = None  # None: where the states are pinned
         self.early_fetches = 0  # fetches answered by ``early_copies``
         atexit.register(self.close)
 
-    def reserve(self, nbytes: int, pin: bool) -> Slab | None:
+    def reserve(self, nbytes: int, pin: bool) -> _slabs.Slab | None:
         """A free slab of at least ``nbytes``, or None: this call's states
         take the fallback (``failure`` says why, where it is for good)."""
         if self.failure is not None:
             return None
-        self._adopt_ahead()
+        self._adopt_ahead(nbytes)
         free = [s for s in self.slabs if s.free()]
         fitting = [s for s in free if s.capacity >= nbytes]
         if fitting:
@@ -235,7 +178,23 @@ class HostRegion:
             self._start_ahead(nbytes, slab, pin)
         return slab
 
-    def _start_ahead(self, nbytes: int, taken: Slab, pin: bool) -> None:
+    def prepare(self, nbytes: int, count: int, device: int | None) -> int:
+        """Have ``count`` slabs for calls of ``nbytes`` made on a thread of
+        their own (pinned on ``device`` where given), within ``MAX_SLABS`` and
+        the cap; how many that is (0 where one is being made already)."""
+        if self.ahead is not None or self.failure is not None:
+            return 0
+        size = slab_size(nbytes)
+        room = MAX_SLABS - len(self.slabs)
+        if self.limit is not None:
+            room = min(room, (self.limit - self._taken()) // size)
+        count = max(0, min(count, room))
+        if count:
+            paths = [self._new_path() for _ in range(count)]
+            self.ahead = _slabs.Ahead(paths, size, device)
+        return count
+
+    def _start_ahead(self, nbytes: int, taken: _slabs.Slab, pin: bool) -> None:
         """Have the next call's slab made beside the GPU's work, where the
         caller holds every other slab that would fit (see the module
         docstring); within ``MAX_SLABS`` and the cap, one at a time."""
@@ -253,20 +212,35 @@ class HostRegion:
             import torch
 
             device = torch.cuda.current_device()
-        self.ahead = _Ahead(self._new_path(), size, device)
+        self.ahead = _slabs.Ahead([self._new_path()], size, device)
 
-    def _adopt_ahead(self) -> None:
-        """The slab made ahead joins the region (waiting for it where it is
-        not made yet: no longer than making it here would take)."""
-        ahead, self.ahead = self.ahead, None
+    def _adopt_ahead(self, nbytes: int | None = None) -> None:
+        """The slabs made ahead so far join the region. Where a call of
+        ``nbytes`` finds none of the region's free slabs fitting while the
+        thread still makes one, it waits for it: no longer than making it
+        here would take. Without ``nbytes`` (closing), the thread is waited
+        for to the end."""
+        ahead = self.ahead
         if ahead is None:
             return
-        ahead.join()
-        if ahead.slab is not None:
-            self.slabs.append(ahead.slab)
+        while True:
+            made, done = ahead.take(wait=False)
+            self.slabs.extend(made)
+            if done or (nbytes is not None and self._fitting(nbytes)):
+                break
+            made, done = ahead.take(wait=True)
+            self.slabs.extend(made)
+            if done:
+                break
+        if done:
+            ahead.join()
+            self.ahead = None
         self.pin_failed = self.pin_failed or ahead.pin_failed
 
-    def stamp(self, slab: Slab) -> int:
+    def _fitting(self, nbytes: int) -> bool:
+        return any(s.free() and s.capacity >= nbytes for s in self.slabs)
+
+    def stamp(self, slab: _slabs.Slab) -> int:
         """Mark ``slab`` as holding a new fetch's rows (after the copies)."""
         self.generation += 1
         slab.stamp(self.generation)
@@ -282,7 +256,7 @@ class HostRegion:
     def _new_path(self) -> str:
         return os.path.join(self.directory, f"{self.prefix}-{secrets.token_hex(4)}")
 
-    def _grow(self, size: int) -> Slab | None:
+    def _grow(self, size: int) -> _slabs.Slab | None:
         if self.limit is not None and self._taken() + size > self.limit:
             return self._refused(
                 "limit",
@@ -292,7 +266,7 @@ class HostRegion:
             )
         path = self._new_path()
         try:
-            slab = Slab(path, size)
+            slab = _slabs.Slab(path, size)
         except OSError as exc:
             return self._refused(
                 "space",
@@ -320,7 +294,7 @@ class HostRegion:
             )
         return None
 
-    def _retire(self, slab: Slab) -> None:
+    def _retire(self, slab: _slabs.Slab) -> None:
         self.slabs.remove(slab)
         self.retired.append(slab.path)
         slab.close()
@@ -346,33 +320,3 @@ def region_of(worker: Any) -> HostRegion:
     if region is None:
         region = worker._specshim_region = HostRegion()
     return region
-
-
-class _Ahead(threading.Thread):
-    """A slab made (and pinned on ``device``) on a thread of its own while the
-    GPU computes the next call. Where that fails, ``slab`` stays None and
-    nothing is said: the call that then makes its slab itself meets the same
-    cause and says it once, as without this."""
-
-    def __init__(self, path: str, size: int, device: int | None) -> None:
-        super().__init__(name="specshim-slab-ahead", daemon=True)
-        self.path, self.size, self.device = path, size, device
-        self.slab: Slab | None = None
-        self.pin_failed = False
-        self.start()
-
-    def run(self) -> None:
-        slab = None
-        try:
-            slab = Slab(self.path, self.size)
-            if self.device is not None:
-                import torch
-
-                torch.cuda.set_device(self.device)  # a new thread starts on GPU 0
-                self.pin_failed = not slab.pin()
-        except Exception:  # noqa: BLE001 - the next call makes its own slab
-            logger.debug("specshim: making a slab ahead failed", exc_info=True)
-            if slab is not None:
-                slab.close()
-            return
-        self.slab = slab

@@ -10,6 +10,13 @@ import os
 from typing import Any
 
 HEADER = 4096  # bytes 0-8: the fetch's generation; 8-16: the one released
+DIRECTORY = "/dev/shm"
+PREFIX = "specshim-states"  # a worker's files: PREFIX-PID-TOKEN-TOKEN
+
+
+def files_of(pid: int, directory: str = DIRECTORY) -> str:
+    """The pattern of the worker ``pid``'s slab files."""
+    return os.path.join(directory, f"{PREFIX}-{pid}-*")
 
 
 def read_word(mapping: Any, at: int) -> int:

@@ -52,6 +52,7 @@ from specshim._base import SpecShimError
 from specshim._prefix_reuse import chain, digest, prefix_store, reuse_block
 from specshim._types import NotNeeded
 from specshim.patches._declare import declare
+from specshim.patches._transport import handed_states  # noqa: F401 (see below)
 from specshim.patches._transport.prefix_rows import Capture, keep, stitch
 from specshim.patches._transport.rows import (
     CAUSES,
@@ -66,6 +67,9 @@ from specshim.patches._transport.threads import lent_threads
 from specshim.patches.main import request_args
 
 logger = logging.getLogger(__name__)
+# ``handed_states`` is imported for its registration: a worker that dies
+# before the first call leaves the slabs it made ahead (``prepared-slabs``),
+# and its ``forget`` removes them once the generator is closed.
 
 _REQUEST_ID = re.compile(r"^req_(\d+)_(\d+)$")
 
