@@ -223,6 +223,7 @@ class PrefixRows:
         self._used(hashes)
         held = 0  # the chain's held blocks lead it (every one's parent is held)
         while held < len(hashes) and hashes[held] in self.blocks:
+            self.group[hashes[held]].served = True
             held += 1
         if held < len(hashes):
             size = self._block_bytes(layers, block_size) * (len(hashes) - held)
@@ -267,7 +268,9 @@ class PrefixRows:
         self.refused_bytes += (len(blocks) - count) * each
         if count:
             span = slice(first * block_size, (first + count) * block_size)
-            group = _Group([h[span].clone() for h in layers], count, count * each)
+            group = _Group(
+                [h[span].clone() for h in layers], blocks[:count], count * each
+            )
             self.copied_bytes += group.nbytes
             for n, block in enumerate(blocks[:count]):
                 rows = slice(n * block_size, (n + 1) * block_size)
@@ -299,6 +302,12 @@ class PrefixRows:
             if oldest in keep:
                 break  # the chain being offered is all that is held
             group = self.group[oldest]
+            if not group.served:  # kept together, never used since: go together
+                for block in group.blocks:
+                    if self.group.get(block) is group:
+                        self._drop(block)
+                dropped.pop(group, None)
+                continue
             self._drop(oldest)
             if group.held:
                 dropped[group] = dropped.get(group, 0) + 1
@@ -312,21 +321,18 @@ class PrefixRows:
         they had, and let the old one go."""
         import torch
 
-        base = group.rows[0]
-        blocks = sorted(
-            (b for b, g in self.group.items() if g is group),
-            key=lambda b: self.blocks[b][0].data_ptr() - base.data_ptr(),
-        )
-        rows = base.shape[0] // group.count  # a block's
+        blocks = [b for b in group.blocks if self.group.get(b) is group]
+        rows = group.rows[0].shape[0] // group.count  # a block's
         nbytes = group.nbytes // group.count * len(blocks)
         alone = _Group(
             [
                 torch.cat([self.blocks[b][k] for b in blocks])
                 for k in range(len(group.rows))
             ],
-            len(blocks),
+            blocks,
             nbytes,
         )
+        alone.served = group.served
         self.copied_bytes += nbytes
         for n, block in enumerate(blocks):
             self.blocks[block] = [h[n * rows : (n + 1) * rows] for h in alone.rows]
@@ -344,11 +350,13 @@ class PrefixRows:
 
 
 class _Group:
-    """Consecutive blocks kept as one copy (per layer), and how many of them
-    are still held: its memory goes with the last."""
+    """Consecutive blocks kept as one copy (per layer), in the copy's order,
+    how many of them are still held (its memory goes with the last), and
+    whether a later sequence was served any of them."""
 
-    __slots__ = ("count", "held", "nbytes", "rows")
+    __slots__ = ("blocks", "count", "held", "nbytes", "rows", "served")
 
-    def __init__(self, rows: list[Any], held: int, nbytes: int) -> None:
-        self.rows, self.held, self.nbytes = rows, held, nbytes
-        self.count = held  # blocks in the copy
+    def __init__(self, rows: list[Any], blocks: list[Hashable], nbytes: int) -> None:
+        self.rows, self.blocks, self.nbytes = rows, blocks, nbytes
+        self.held = self.count = len(blocks)  # blocks in the copy
+        self.served = False
