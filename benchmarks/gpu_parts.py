@@ -345,8 +345,8 @@ def part_reuse(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any
     """Issue 47's three data sets (``reuse_bench.py``) on this model's
     checkpoint: ``extract --reuse-prefixes`` against ``extract``, one run a
     side (engine starts are dear on a lent host), files compared; with
-    ``--profile``, one more run with the flag a data set under cProfile
-    (nine engine starts: give the part a call of its own)."""
+    ``--profile`` or ``--worker-profile N``, reuse_bench's profiles too (more
+    engine starts: give the part a call of its own)."""
     if args.model in DUMMY_WEIGHTS:
         raise RuntimeError("reuse runs extract on a checkpoint with weights")
     name = label("reuse") + f"-{args.model}"
@@ -357,6 +357,7 @@ def part_reuse(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any
         *("--samples", str(REUSE_SAMPLES), "--results", str(args.results)),
         *("--name", name),
         *(["--profile"] if args.profile else []),
+        *(["--worker-profile", str(args.worker_profile)] * bool(args.worker_profile)),
     ]
     done = subprocess.run(command, capture_output=True, text=True)
     (args.results / f"{name}.bench.log").write_text(done.stdout + done.stderr)

@@ -88,14 +88,22 @@ def run(
     out: Path,
     reuse: bool,
     profile: Path | None = None,
+    worker: int = 0,
 ) -> dict[str, Any]:
     """One ``extract`` process: its rate, samples/s, what reuse served and
     where its time went (``profile``: under cProfile, the stats written
-    there)."""
+    there; ``worker``: that many calls from the second on under the worker's
+    profiler, ``profiled_extract.py``'s line and table in ``worker``)."""
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable]
     command += ["-m", "cProfile", "-o", str(profile)] if profile else []
-    command += ["-m", "specshim", "extract"]
+    into = out.with_name(out.name + ".worker.txt")  # profiled_extract's file
+    into.unlink(missing_ok=True)
+    if worker:
+        command += [str(HERE / "profiled_extract.py"), "2", str(worker), str(into)]
+        command += ["extract"]
+    else:
+        command += ["-m", "specshim", "extract"]
     command += ["--model", str(args.model_dir), "--data", str(data)]
     command += ["--out", str(out), "--layers", args.layers]
     command += ["--max-model-len", str(MAX_MODEL_LEN), "--batch-size", str(BATCH)]
@@ -124,6 +132,8 @@ def run(
     timing = extract_timing(done.stderr)
     if timing:
         found["timing"] = timing
+    if worker:  # none where the run made fewer than worker + 1 calls
+        found["worker"] = into.read_text() if into.exists() else "no calls profiled"
     return found
 
 
@@ -155,6 +165,22 @@ def profiled(args: argparse.Namespace, kind: str, data: Path, work: Path) -> Non
         ours = r"specshim/(patches|job/extract)|speculators/data_gen"
         cumulative.print_stats(ours, 40)
     log(f"{kind}: the main process's profile of a run with the flag: {text}")
+
+
+def worker_profiled(args: argparse.Namespace, kind: str, data: Path, work: Path):
+    """Two more runs, without the flag and with it, each with the worker's
+    profile of ``--worker-profile`` calls from the second on, into
+    ``RESULTS/NAME-KIND.worker.txt``: what the worker does in a call inside
+    ``extract``, reused or not."""
+    text = args.results / f"{args.name}-{kind}.worker.txt"
+    with text.open("w") as sink:
+        for reuse in (False, True):
+            out = work / "out-worker"
+            found = run(args, data, out, reuse, worker=args.worker_profile)
+            shutil.rmtree(out, ignore_errors=True)
+            sink.write(f"reuse={reuse}: {found['line']}\n{where(found)}\n")
+            sink.write(f"{found['worker']}\n")
+    log(f"{kind}: the worker's profile of calls in each run: {text}")
 
 
 def compare(plain: Path, reused: Path, samples: int) -> dict[str, Any]:
@@ -210,6 +236,8 @@ def measure(args: argparse.Namespace, kind: str, work: Path) -> dict[str, Any]:
         shutil.rmtree(work / f"out-{int(reuse)}", ignore_errors=True)
     if args.profile:
         profiled(args, kind, data, work)
+    if args.worker_profile:
+        worker_profiled(args, kind, data, work)
     without = statistics.median(r["samples_per_second"] for r in runs[False])
     with_ = statistics.median(r["samples_per_second"] for r in runs[True])
     return {
@@ -274,6 +302,14 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="after each data set's runs, one more with the flag under cProfile "
         "(RESULTS/NAME-KIND.profile.txt)",
+    )
+    parser.add_argument(
+        "--worker-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after each data set's runs, one more a side with the worker's "
+        "profile of N calls from the second on (RESULTS/NAME-KIND.worker.txt)",
     )
     return parser.parse_args()
 

@@ -63,5 +63,6 @@ def bench():
             "gpu_parts",
             "gpu_profiles",
             "reuse_bench",
+            "profiled_extract",
         ):
             sys.modules.pop(name, None)

@@ -93,3 +93,44 @@ def test_the_benches_read_where_extracts_time_went_from_its_own_line(bench, capl
         "a generate() call took 2.25 s first, 1.0 s at the median and 2.25 s "
         "at the slowest"
     )
+
+
+def test_profiled_extract_profiles_the_worker_over_the_calls_it_is_told(
+    bench, monkeypatch, tmp_path
+):
+    """reuse_bench --worker-profile: calls 2 and 3 of extract's, and only
+    they, run under the worker's profiler; their seconds and forward steps
+    are counted."""
+    import json
+    from types import SimpleNamespace
+
+    from specshim.job.extract import command
+
+    class Executor:
+        def __init__(self) -> None:
+            self.worker = SimpleNamespace()
+            self.profiling: list[bool] = []
+
+        def collective_rpc(self, method):
+            return [method(self.worker)]
+
+        def execute_model(self, scheduler_output):
+            return None
+
+    executor = Executor()
+
+    def generate(generator, batch, writer):  # one forward step of len(batch)
+        executor.profiling.append(hasattr(executor.worker, "_specshim_profiler"))
+        executor.execute_model(SimpleNamespace(total_num_scheduled_tokens=len(batch)))
+        return []
+
+    monkeypatch.setattr(command, "_generate", generate)
+    bench("profiled_extract").install(2, 2, tmp_path / "worker.txt")
+    generator = SimpleNamespace(executor=executor)
+    for n in range(1, 5):
+        command._generate(generator, [0] * n, None)
+    assert executor.profiling == [False, True, True, False]
+    line = (tmp_path / "worker.txt").read_text().splitlines()[0]
+    found = json.loads(line.removeprefix("WORKER-PROFILE "))
+    assert found["calls"] == [2, 3] and len(found["calls_s"]) == 2
+    assert found["tokens_per_step"] == [2, 3]
