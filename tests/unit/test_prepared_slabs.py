@@ -2,8 +2,8 @@
 as many as it is asked for, sized for the rows it is told, on a thread of
 their own; calls take them instead of making their own (waiting for one
 still being made), within the cap; a dead worker's are removed by the main
-process; and ``extract`` asks for one per batch in flight, sized from its
-first batch."""
+process, and those of a run killed whole by the next run's worker; and
+``extract`` asks for one per batch in flight, sized from its first batch."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from specshim.job.extract import command as _extract
@@ -175,3 +177,32 @@ def test_extract_asks_for_one_slab_a_batch_in_flight_sized_from_its_first(
     monkeypatch.setenv("SPECSHIM_SLABS", "0")  # the user's choice stands
     extract(_options(model, data, tmp_path / "out2"))
     assert seen[1] == (None, "0")
+
+
+def test_a_new_region_removes_the_slab_files_a_killed_run_left(tmp_path):
+    """A worker holds a lock on each of its slabs while it lives; a file no
+    process holds a lock on and untouched for STALE_S is a killed run's, and
+    the next region removes it. A live worker's, a fresh one and anything
+    else stay."""
+    old = time.time() - _host_slabs.STALE_S - 60
+
+    def left(name: str, when: float) -> str:
+        path = os.path.join(tmp_path, name)
+        with open(path, "wb") as handle:
+            handle.write(b"x" * 4096)
+        os.utime(path, (when, when))
+        return path
+
+    dead = left("specshim-states-999999-0a0a0a0a-1b1b1b1b", old)
+    fresh = left("specshim-states-999999-0a0a0a0a-2c2c2c2c", time.time())
+    other = left("another-program-file", old)
+    live = _host_slabs.Slab(os.path.join(tmp_path, "specshim-states-1-aa-bb"), 8192)
+    os.utime(live.path, (old, old))
+    region = HostRegion(str(tmp_path))
+    assert not os.path.exists(dead)
+    assert all(map(os.path.exists, (fresh, other, live.path)))
+    fd = live.fd
+    live.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)  # the lock's descriptor goes with the slab
+    region.close()

@@ -6,14 +6,19 @@ write, and when."""
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import logging
 import mmap
 import os
 import threading
+import time
 
-from specshim.patches._transport.slab import HEADER, read_word, unlink_quietly
+from specshim.patches._transport.slab import HEADER, PREFIX, read_word, unlink_quietly
 
 logger = logging.getLogger(__name__)
+
+STALE_S = 600  # an unlocked slab file untouched this long was left by a killed run
 
 
 class Slab:
@@ -24,16 +29,18 @@ class Slab:
 
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            # Held as long as this process lives (the descriptor stays open):
+            # a file no process holds a lock on was left by a killed run.
+            fcntl.flock(fd, fcntl.LOCK_SH)
             # tmpfs allocates lazily: reserve now, or a full /dev/shm kills the
             # worker with SIGBUS in the middle of a copy.
             os.posix_fallocate(fd, 0, size)
             mapping = mmap.mmap(fd, size)
         except OSError:
+            os.close(fd)
             unlink_quietly(path)
             raise
-        finally:
-            os.close(fd)
-        self.path, self.mapping = path, mapping
+        self.fd, self.path, self.mapping = fd, path, mapping
         self.base = torch.frombuffer(mapping, dtype=torch.uint8)
         self.generation = 0
         self.pinned = False
@@ -76,6 +83,38 @@ class Slab:
         self.pinned = False
         self.base = self.mapping = None  # views elsewhere keep the memory alive
         unlink_quietly(self.path)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def sweep_stale(directory: str) -> tuple[int, int]:
+    """Remove the slab files a killed run left in ``directory``: those no
+    process holds a lock on (a worker holds one on each of its slabs while it
+    lives; the main process removes a file as soon as it maps it), untouched
+    for ``STALE_S`` (one being made this moment is not locked yet). How many
+    went, and their bytes. Whether the owner lives is told by the lock, not
+    by its pid: under ``--ipc=host`` the directory is shared with processes
+    of other PID namespaces."""
+    removed = freed = 0
+    for path in glob.glob(os.path.join(glob.escape(directory), f"{PREFIX}-*")):
+        try:
+            found = os.stat(path)
+            if time.time() - found.st_mtime < STALE_S:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its worker lives
+        else:
+            unlink_quietly(path)
+            removed, freed = removed + 1, freed + found.st_size
+        finally:
+            os.close(fd)
+    return removed, freed
 
 
 class Ahead(threading.Thread):

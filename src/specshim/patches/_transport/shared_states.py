@@ -36,6 +36,8 @@ Lifetime, the rule everything here relies on:
   mapped it first), so a killed run leaves nothing in ``/dev/shm``; a worker
   unlinks whatever the main process never attached when it exits, and the
   main process removes what a killed worker left (``handed_states.forget``).
+  Where both were killed at once, a later run's worker removes the files no
+  process holds a lock on (``host_slabs.sweep_stale``).
 
 Making a slab costs time on the call's path: reserving it in ``/dev/shm`` and
 pinning it took about 0.5 s a GB on an H200 host, and ``extract``, whose
@@ -151,6 +153,14 @@ class HostRegion:
         self.make_ahead: bool | None = None  # None: where the states are pinned
         self.early_fetches = 0  # fetches answered by ``early_copies``
         atexit.register(self.close)
+        removed, freed = _slabs.sweep_stale(directory)
+        if removed:
+            logger.info(
+                "specshim: removed %d slab file(s) (%.0f MiB) a killed run left in %s",
+                removed,
+                freed / 2**20,
+                directory,
+            )
 
     def reserve(self, nbytes: int, pin: bool) -> _slabs.Slab | None:
         """A free slab of at least ``nbytes``, or None: this call's states
