@@ -306,7 +306,6 @@ class PrefixRows:
                 for block in group.blocks:
                     if self.group.get(block) is group:
                         self._drop(block)
-                dropped.pop(group, None)
                 continue
             self._drop(oldest)
             if group.held:

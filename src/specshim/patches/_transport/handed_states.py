@@ -22,6 +22,7 @@ from typing import Any
 from specshim._base import pid_alive
 from specshim._closing import when_workers_gone
 from specshim.patches._transport.slab import (
+    DIRECTORY,
     HEADER,
     files_of,
     read_word,
@@ -125,19 +126,17 @@ def forget(pids: Any) -> None:
         owner = _owner_pid(path)
         if owner in gone or not pid_alive(owner):
             del _ATTACHED[path]
-            _sweep(path)
+            _sweep(owner, os.path.dirname(path))
     for pid in gone:  # slabs made before any call (``prepared-slabs``)
         if not pid_alive(pid):
-            for leftover in glob.glob(files_of(pid)):
-                unlink_quietly(leftover)
+            _sweep(pid)
 
 
-def _sweep(path: str) -> None:
-    """Remove the files of ``path``'s region that nobody attached: a worker
-    that was killed cannot remove the slab it made ahead for a call that
-    never came (``host_slabs.Ahead``)."""
-    region = path.rsplit("-", 1)[0] + "-"
-    for leftover in glob.glob(glob.escape(region) + "*"):
+def _sweep(pid: int, directory: str = DIRECTORY) -> None:
+    """Remove the worker ``pid``'s files that nobody attached: a worker that
+    was killed cannot remove the slabs it made ahead for calls that never
+    came (``host_slabs.Ahead``)."""
+    for leftover in glob.glob(files_of(pid, directory)):
         unlink_quietly(leftover)
 
 

@@ -208,21 +208,16 @@ class HostRegion:
         """Have the next call's slab made beside the GPU's work, where the
         caller holds every other slab that would fit (see the module
         docstring); within ``MAX_SLABS`` and the cap, one at a time."""
-        if self.ahead is not None or len(self.slabs) >= MAX_SLABS:
-            return
-        if any(
+        if self.ahead is not None or any(
             s is not taken and s.capacity >= nbytes and s.free() for s in self.slabs
         ):
-            return
-        size = slab_size(nbytes)
-        if self.limit is not None and self._taken() + size > self.limit:
             return
         device = None
         if pin and not self.pin_failed:
             import torch
 
             device = torch.cuda.current_device()
-        self.ahead = _slabs.Ahead([self._new_path()], size, device)
+        self.prepare(nbytes, 1, device)
 
     def _adopt_ahead(self, nbytes: int | None = None) -> None:
         """The slabs made ahead so far join the region. Where a call of
@@ -233,15 +228,13 @@ class HostRegion:
         ahead = self.ahead
         if ahead is None:
             return
+        wait = False
         while True:
-            made, done = ahead.take(wait=False)
+            made, done = ahead.take(wait)
             self.slabs.extend(made)
             if done or (nbytes is not None and self._fitting(nbytes)):
                 break
-            made, done = ahead.take(wait=True)
-            self.slabs.extend(made)
-            if done:
-                break
+            wait = True
         if done:
             ahead.join()
             self.ahead = None

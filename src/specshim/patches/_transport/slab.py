@@ -6,6 +6,7 @@ functions, which pickle resolves by name at the other end."""
 
 from __future__ import annotations
 
+import glob
 import os
 from typing import Any
 
@@ -15,8 +16,8 @@ PREFIX = "specshim-states"  # a worker's files: PREFIX-PID-TOKEN-TOKEN
 
 
 def files_of(pid: int, directory: str = DIRECTORY) -> str:
-    """The pattern of the worker ``pid``'s slab files."""
-    return os.path.join(directory, f"{PREFIX}-{pid}-*")
+    """The glob pattern of the worker ``pid``'s slab files in ``directory``."""
+    return os.path.join(glob.escape(directory), f"{PREFIX}-{pid}-*")
 
 
 def read_word(mapping: Any, at: int) -> int:
