@@ -112,6 +112,14 @@ _CALLS = re.compile(
 )
 CALL_KEYS = ("generate_first", "generate_median", "generate_slowest")
 
+# Its line on the run's end: the writer's backlog after the last call, and
+# the time between calls.
+_END = re.compile(
+    r"after its last generate\(\) the writer took ([\d.]+) s to finish; "
+    r"between calls \(the feed, the checks\) ([\d.]+) s"
+)
+END_KEYS = ("finishing", "between_calls")
+
 
 def extract_timing(log: str) -> dict[str, Any] | None:
     """Where an ``extract`` run's time went, from its log; None without the
@@ -123,6 +131,9 @@ def extract_timing(log: str) -> dict[str, Any] | None:
     calls = _CALLS.search(log)
     if calls:
         timing |= dict(zip(CALL_KEYS, map(float, calls.groups()), strict=True))
+    end = _END.search(log)
+    if end:
+        timing |= dict(zip(END_KEYS, map(float, end.groups()), strict=True))
     return timing
 
 
@@ -140,6 +151,13 @@ def timing_sentence(label: str, timing: dict[str, Any]) -> str:
             f"{timing['generate_median']} s at the median and "
             f"{timing['generate_slowest']} s at the slowest"
             if "generate_first" in timing
+            else ""
+        )
+        + (
+            f"; after the last call the writer took {timing['finishing']} s "
+            f"to finish, and the time between calls came to "
+            f"{timing['between_calls']} s"
+            if "finishing" in timing
             else ""
         )
     )

@@ -69,6 +69,7 @@ def test_the_benches_read_where_extracts_time_went_from_its_own_line(bench, capl
         ended=10.0,
         first_generate=2.0,
         handing=0.25,
+        handed=9.0,  # the writer finished 1.0 s after the last batch came
         calls=[2.25, 1.0, 1.5, 1.0, 0.75],  # 6.5 s in generate()
     )
     with caplog.at_level(logging.INFO, logger="specshim.job.extract.command"):
@@ -85,13 +86,16 @@ def test_the_benches_read_where_extracts_time_went_from_its_own_line(bench, capl
         "generate_first": 2.25,
         "generate_median": 1.0,
         "generate_slowest": 2.25,
+        "finishing": 1.0,
+        "between_calls": 0.25,  # 8.0 - 6.5 - 0.25 - 1.0
     }
     assert bench("plan").extract_timing("extract: wrote 3 samples") is None
     where = bench("reuse_bench").where({"timing": timing})
     assert where.startswith("of extract's 8.0 s, generate() took 6.5 s")
     assert where.endswith(
         "a generate() call took 2.25 s first, 1.0 s at the median and 2.25 s "
-        "at the slowest"
+        "at the slowest; after the last call the writer took 1.0 s to finish, "
+        "and the time between calls came to 0.25 s"
     )
 
 

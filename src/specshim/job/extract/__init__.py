@@ -3,7 +3,8 @@
 Rooms:
 
 * ``command``: the command itself: opens ``--out``, starts the generator,
-  feeds it and hands each batch to the writer; its closing lines.
+  feeds it and hands each batch to the writer.
+* ``timing``: its closing lines, where the run's time went.
 * ``options``: what the command line asks for (``ExtractOptions``).
 * ``plan``: the options checked against the model and the host, frozen into
   a ``RunPlan`` (step budget, layers, tensor parallelism, KV cache).

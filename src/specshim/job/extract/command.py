@@ -33,6 +33,7 @@ from specshim.job.extract import reuse, startup
 from specshim.job.extract.feed import Feed, Todo
 from specshim.job.extract.options import ExtractOptions
 from specshim.job.extract.plan import RunPlan, plan_run
+from specshim.job.extract.timing import where_time_went
 from specshim.job.extract.writer import IN_FLIGHT, Progress, Writer, drain
 from specshim.job.inputs.tokenizing import warn_truncated
 from specshim.job.kv_cache import cpu_kv_cache_space, cpu_kv_space, on_cpu
@@ -158,6 +159,7 @@ class _Pipeline:
         self.handing = 0.0  # in writer.put
         self.calls: list[float] = []  # each generate() call's seconds
         self.ended = 0.0  # when the last file was committed
+        self.handed = 0.0  # when the last batch was handed to the writer
         self.reuse: reuse.Reuse | None = None  # --reuse-prefixes
 
     def _samples(self, feed: Feed) -> Iterable[Todo]:
@@ -211,44 +213,9 @@ class _Pipeline:
         the run's own profile, first thing to read when it is slow)."""
         assert self.first_generate is not None
         seconds = self.ended - self.began - self.first_generate
-        generating = sum(self.calls)
-        timing = {
-            "generate": generating,
-            "waiting_for_writer": self.handing,
-            "writer_idle": writer.idle,
-            "writer_serializing": writer.serializing,
-            "writer_committing": writer.committing,
-        }
-        logger.info(
-            "extract: of %.1f s after the first generate(): generate() %.1f s, "
-            "handing batches to the writer %.1f s; the writer waited for "
-            "batches %.1f s, for its %d threads' files %.1f s, and committed "
-            "%.1f s",
-            seconds,
-            generating,
-            self.handing,
-            writer.idle,
-            writer.threads,
-            writer.serializing,
-            writer.committing,
+        timing = where_time_went(
+            seconds, self.calls, self.handing, self.ended - self.handed, writer
         )
-        if self.calls:
-            # Warm-up (first-seen step shapes, slabs made) against the
-            # steady pace: the first call, the median, the slowest.
-            ordered = sorted(self.calls)
-            timing |= {
-                "generate_first": self.calls[0],
-                "generate_median": ordered[len(ordered) // 2],
-                "generate_slowest": ordered[-1],
-            }
-            logger.info(
-                "extract: its %d generate() calls took %.3f s (the first), "
-                "%.3f s (the median), %.3f s (the slowest)",
-                len(self.calls),
-                self.calls[0],
-                timing["generate_median"],
-                timing["generate_slowest"],
-            )
         return {
             "written": writer.written,
             "tokens": writer.tokens,
@@ -298,7 +265,8 @@ class _Pipeline:
             self.published = True
         started = time.monotonic()
         self.writer.put(batch, results)
-        self.handing += time.monotonic() - started
+        self.handed = time.monotonic()
+        self.handing += self.handed - started
 
 
 def _make_generator(plan: RunPlan) -> Any:

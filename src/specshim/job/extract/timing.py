@@ -1,0 +1,69 @@
+"""Where an ``extract`` run's time went, logged as its closing lines (the
+run's own profile, first thing to read when it is slow; the benches parse
+them: ``benchmarks/plan.py``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger("specshim.job.extract.command")
+
+
+def where_time_went(
+    seconds: float, calls: list[float], handing: float, finishing: float, writer: Any
+) -> dict[str, float]:
+    """Log and return the run's ``seconds`` after its first ``generate()``,
+    split: the ``calls`` (each one's seconds), ``handing`` batches to the
+    ``writer`` (its own idle, serializing and committing seconds beside),
+    ``finishing`` (the writer's backlog after the last call) and the rest,
+    between calls in the main thread (the feed, the checks)."""
+    generating = sum(calls)
+    timing = {
+        "generate": generating,
+        "waiting_for_writer": handing,
+        "writer_idle": writer.idle,
+        "writer_serializing": writer.serializing,
+        "writer_committing": writer.committing,
+        "finishing": max(finishing, 0.0),
+    }
+    timing["between_calls"] = max(
+        seconds - generating - handing - timing["finishing"], 0.0
+    )
+    logger.info(
+        "extract: of %.1f s after the first generate(): generate() %.1f s, "
+        "handing batches to the writer %.1f s; the writer waited for "
+        "batches %.1f s, for its %d threads' files %.1f s, and committed "
+        "%.1f s",
+        seconds,
+        generating,
+        handing,
+        writer.idle,
+        writer.threads,
+        writer.serializing,
+        writer.committing,
+    )
+    logger.info(
+        "extract: after its last generate() the writer took %.2f s to finish; "
+        "between calls (the feed, the checks) %.2f s",
+        timing["finishing"],
+        timing["between_calls"],
+    )
+    if calls:
+        # Warm-up (first-seen step shapes, slabs made) against the steady
+        # pace: the first call, the median, the slowest.
+        ordered = sorted(calls)
+        timing |= {
+            "generate_first": calls[0],
+            "generate_median": ordered[len(ordered) // 2],
+            "generate_slowest": ordered[-1],
+        }
+        logger.info(
+            "extract: its %d generate() calls took %.3f s (the first), "
+            "%.3f s (the median), %.3f s (the slowest)",
+            len(calls),
+            calls[0],
+            timing["generate_median"],
+            timing["generate_slowest"],
+        )
+    return timing
