@@ -168,7 +168,9 @@ def format_report(data: dict[str, Any] | None = None) -> str:
     allowed = "allowed" if plugin["allowed"] else "FILTERED OUT"
     lines.append(f"  plugin        entry point {installed}, {allowed} by VLLM_PLUGINS")
     lines.append("")
-    width = max(len(p["id"]) for p in data["patches"])
+    if not data["patches"]:
+        lines.append("  no patch is recorded in this process: specshim applied nothing")
+    width = max((len(p["id"]) for p in data["patches"]), default=len("patch"))
     lines.append(f"  {'patch':<{width}}  {'runs in':<12}  {'state':<12}  detail")
     for item in data["patches"]:
         detail = item["detail"]

@@ -69,3 +69,19 @@ def test_plugin_allowed_follows_the_loaded_vllms_own_parsing(monkeypatch):
         envs.environment_variables, "VLLM_PLUGINS", lambda: ["specshim"]
     )
     assert plugin_status()["allowed"]
+
+
+def test_the_report_renders_without_any_patch_recorded():
+    """A process where no patch was recorded gets a line saying so, not a
+    traceback from the table's column width."""
+    from specshim._report import format_report
+
+    data = {
+        "versions": {"vllm": None},
+        "plugin": {"installed": True, "allowed": True},
+        "patches": [],
+        "advice": [],
+    }
+    text = format_report(data)
+    assert "no patch is recorded in this process" in text
+    assert text.endswith("Nothing to fix.")
