@@ -177,6 +177,12 @@ def test_extract_asks_for_one_slab_a_batch_in_flight_sized_from_its_first(
     monkeypatch.setenv("SPECSHIM_SLABS", "0")  # the user's choice stands
     extract(_options(model, data, tmp_path / "out2"))
     assert seen[1] == (None, "0")
+    # --reuse-prefixes starts the engine before its plan: from the feed's
+    # first batch all the same.
+    monkeypatch.delenv("SPECSHIM_SLABS")
+    monkeypatch.setattr(_extract.reuse, "planned", lambda todos, *_: (todos, None))
+    extract(_options(model, data, tmp_path / "out3", reuse_prefixes=True))
+    assert seen[2] == (str(1 + 2 + 3 + 4), str(IN_FLIGHT))
 
 
 def test_a_new_region_removes_the_slab_files_a_killed_run_left(tmp_path):

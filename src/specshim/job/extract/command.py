@@ -169,7 +169,9 @@ class _Pipeline:
         todos = list(feed)
         if not todos:
             return todos
-        self._start()
+        # Slabs sized as extract sizes them without the flag: reused calls
+        # capture fewer rows than their batch's tokens, so these fit them.
+        self._start(todos[: self.plan.batch_size])
         # The rate's clock starts here: the plan is part of the run's cost.
         self.first_generate = time.monotonic() - self.began
         ordered, self.reuse = reuse.planned(
