@@ -198,6 +198,7 @@ def main_thread_share(pairs: list[Any], out: Path, torch_save: bool) -> float:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from specshim.job.extract.writer import writers
 
+    shares = (("torch_file", False), ("torch.save", True))
     pairs = samples(args.samples, args.hidden, args.layers)
     nbytes = state_bytes(pairs)
     found: dict[str, Any] = {
@@ -215,6 +216,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "writer": lambda d: write_with_writer(pairs, d),
         "writer, busy main thread": lambda d: write_with_writer(pairs, d, busy=True),
     }
+    if args.brief:
+        del runs["writer, busy main thread"]
     for label, run in runs.items():
         best = None
         for _ in range(args.passes):
@@ -227,7 +230,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{label}: {found[label]} GB/s", flush=True)
     for label in list(runs)[1:]:
         found[f"{label} / plain"] = round(found[label] / found["plain"], 3)
-    for label, torch_save in (("torch_file", False), ("torch.save", True)):
+    for label, torch_save in () if args.brief else shares:
         best = max(
             main_thread_share(pairs, args.dir / "run", torch_save)
             for _ in range(args.passes)
@@ -282,6 +285,12 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/specshim-bench-writer"))
     parser.add_argument("--results", type=Path, default=HERE / "results")
     parser.add_argument("--label", default="", help="names the host in the results")
+    parser.add_argument(
+        "--brief",
+        action="store_true",
+        help="the plain write and the writer only: for states the size of a "
+        "GPU run's (tens of GB), where each write costs a device minute",
+    )
     args = parser.parse_args()
     found = measure(args)
     found["host"] = args.label or os.uname().nodename

@@ -75,3 +75,16 @@ def test_the_bench_writes_the_files_extract_writes(
     for todo, _ in pairs:
         name = f"data_{todo.index}.pt"
         assert _records(written / name) == _records(out / name), name
+
+
+def test_brief_runs_the_plain_write_and_the_writer_only(bench, tmp_path, monkeypatch):
+    """``--brief`` (a GPU run's tens of GB) writes the states twice, not five
+    times: the plain write and the writer, no busy thread, no GIL shares."""
+    argv = ["writer_bench.py", "--hidden", "64", "--layers", "2", "--samples", "4"]
+    argv += ["--passes", "1", "--dir", str(tmp_path / "d")]
+    argv += ["--results", str(tmp_path / "r"), "--brief"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert bench.main() == 0
+    found = json.loads((tmp_path / "r" / "writer.json").read_text())["2 x 64"]
+    assert found["plain"] > 0 and found["writer / plain"] > 0
+    assert not [k for k in found if "busy" in k or "share" in k]
