@@ -61,6 +61,10 @@ def samples(
 
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
+    # Rows drawn once and copied per sample: drawing tens of GB with one
+    # generator takes minutes, copying them seconds; the disk sees as many
+    # bytes either way.
+    pool = torch.randn(2 * lengths[1], hidden, generator=gen).to(torch.bfloat16)
     pairs = []
     for index in range(count):
         tokens = rng.randint(*lengths)
@@ -73,10 +77,10 @@ def samples(
             input_ids=array("i", ids),
             loss_mask=array("b", [1] * tokens),
         )
-        states = [
-            torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
-            for _ in range(layers)
-        ]
+        states = []
+        for _ in range(layers):
+            start = rng.randrange(len(pool) - tokens + 1)
+            states.append(pool[start : start + tokens].clone())
         result = {
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "hidden_states": states,
