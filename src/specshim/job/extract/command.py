@@ -215,9 +215,8 @@ class _Pipeline:
         the run's own profile, first thing to read when it is slow)."""
         assert self.first_generate is not None
         seconds = self.ended - self.began - self.first_generate
-        timing = where_time_went(
-            seconds, self.calls, self.handing, self.ended - self.handed, writer
-        )
+        finishing = self.ended - self.handed if self.handed else 0.0
+        timing = where_time_went(seconds, self.calls, self.handing, finishing, writer)
         return {
             "written": writer.written,
             "tokens": writer.tokens,
