@@ -120,6 +120,13 @@ _END = re.compile(
 )
 END_KEYS = ("finishing", "between_calls")
 
+# And how the states came: slabs mapped, GB through vLLM's queue.
+_MOVED = re.compile(
+    r"the states came through (\d+) shared slabs, and ([\d.]+) GB of them "
+    r"through vLLM's queue"
+)
+MOVED_KEYS = ("slabs", "queued_gb")
+
 
 def extract_timing(log: str) -> dict[str, Any] | None:
     """Where an ``extract`` run's time went, from its log; None without the
@@ -131,9 +138,10 @@ def extract_timing(log: str) -> dict[str, Any] | None:
     calls = _CALLS.search(log)
     if calls:
         timing |= dict(zip(CALL_KEYS, map(float, calls.groups()), strict=True))
-    end = _END.search(log)
-    if end:
-        timing |= dict(zip(END_KEYS, map(float, end.groups()), strict=True))
+    for pattern, keys in ((_END, END_KEYS), (_MOVED, MOVED_KEYS)):
+        found = pattern.search(log)
+        if found:
+            timing |= dict(zip(keys, map(float, found.groups()), strict=True))
     return timing
 
 
@@ -158,6 +166,12 @@ def timing_sentence(label: str, timing: dict[str, Any]) -> str:
             f"to finish, and the time between calls came to "
             f"{timing['between_calls']} s"
             if "finishing" in timing
+            else ""
+        )
+        + (
+            f"; the states came through {int(timing['slabs'])} shared slabs "
+            f"and {timing['queued_gb']} GB through vLLM's queue"
+            if "slabs" in timing
             else ""
         )
     )

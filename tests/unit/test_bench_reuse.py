@@ -53,7 +53,9 @@ def test_bench_gpu_says_what_reuse_gained_and_what_the_profile_counted(bench):
     assert "speculators' KV cache holds 32,768 tokens" in text
 
 
-def test_the_benches_read_where_extracts_time_went_from_its_own_line(bench, caplog):
+def test_the_benches_read_where_extracts_time_went_from_its_own_line(
+    bench, caplog, monkeypatch
+):
     """bench-gpu's extract part and bench-reuse's runs parse extract's closing
     timing line: the line as ``_Pipeline._counts`` logs it, not a copy."""
     import logging
@@ -72,6 +74,10 @@ def test_the_benches_read_where_extracts_time_went_from_its_own_line(bench, capl
         handed=9.0,  # the writer finished 1.0 s after the last batch came
         calls=[2.25, 1.0, 1.5, 1.0, 0.75],  # 6.5 s in generate()
     )
+    from specshim import _moved
+
+    moved = {"slabs": 5, "queued_bytes": 2_500_000_000}  # what the run received
+    monkeypatch.setattr(_moved, "_TALLY", moved)
     with caplog.at_level(logging.INFO, logger="specshim.job.extract.command"):
         _Pipeline._counts(pipeline, writer)
     timing = bench("plan").extract_timing(caplog.text)
@@ -88,6 +94,8 @@ def test_the_benches_read_where_extracts_time_went_from_its_own_line(bench, capl
         "generate_slowest": 2.25,
         "finishing": 1.0,
         "between_calls": 0.25,  # 8.0 - 6.5 - 0.25 - 1.0
+        "slabs": 5.0,
+        "queued_gb": 2.5,
     }
     assert bench("plan").extract_timing("extract: wrote 3 samples") is None
     where = bench("reuse_bench").where({"timing": timing})
@@ -95,8 +103,14 @@ def test_the_benches_read_where_extracts_time_went_from_its_own_line(bench, capl
     assert where.endswith(
         "a generate() call took 2.25 s first, 1.0 s at the median and 2.25 s "
         "at the slowest; after the last call the writer took 1.0 s to finish, "
-        "and the time between calls came to 0.25 s"
+        "and the time between calls came to 0.25 s; the states came through "
+        "5 shared slabs and 2.5 GB through vLLM's queue"
     )
+    caplog.clear()
+    monkeypatch.setattr(_moved, "_TALLY", {"slabs": 0, "queued_bytes": 0})
+    with caplog.at_level(logging.INFO, logger="specshim.job.extract.command"):
+        _Pipeline._counts(pipeline, writer)  # the transport off: no such line
+    assert "shared slabs" not in caplog.text
 
 
 def test_profiled_extract_profiles_the_worker_over_the_calls_it_is_told(

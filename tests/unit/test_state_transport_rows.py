@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from specshim._moved import tally
 from specshim.patches._transport import handed_states as _handed_states
 from specshim.patches.worker import state_transport
 
@@ -64,7 +65,14 @@ def test_what_arrives_is_the_rows_in_the_pieces_order(directory):
     worker = _Worker(forwards, directory)
     captured = worker._captured_states
     pieces = [(1, 0, 2), (0, 3, 1), (0, 0, 3)]
+    before = tally()
     got = _received(state_transport.send(worker, captured, pieces))
+    after = tally()  # what extract's closing line reports
+    queued = sum(states.numel() * states.element_size() for states in got)
+    if directory is None:
+        assert after == before | {"slabs": before["slabs"] + 1}
+    else:
+        assert after == before | {"queued_bytes": before["queued_bytes"] + queued}
     for layer, states in zip(captured, got, strict=True):
         want = torch.cat([layer[f][s : s + n] for f, s, n in pieces])
         assert states.dtype == want.dtype and torch.equal(states, want)

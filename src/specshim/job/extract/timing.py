@@ -30,6 +30,7 @@ def where_time_went(
     timing["between_calls"] = max(
         seconds - generating - handing - timing["finishing"], 0.0
     )
+    timing |= _transport()
     logger.info(
         "extract: of %.1f s after the first generate(): generate() %.1f s, "
         "handing batches to the writer %.1f s; the writer waited for "
@@ -67,3 +68,22 @@ def where_time_went(
             timing["generate_slowest"],
         )
     return timing
+
+
+def _transport() -> dict[str, float]:
+    """How the states came to this process: the shared slabs its workers
+    made (more than ``extract`` prepares means some were made on the calls'
+    path), and what came through vLLM's queue (no free slab). Logged where
+    the state transport ran at all."""
+    from specshim._moved import tally
+
+    moved = tally()
+    if not (moved["slabs"] or moved["queued_bytes"]):
+        return {}
+    logger.info(
+        "extract: the states came through %d shared slabs, and %.2f GB of "
+        "them through vLLM's queue",
+        moved["slabs"],
+        moved["queued_bytes"] / 1e9,
+    )
+    return {"slabs": moved["slabs"], "queued_gb": moved["queued_bytes"] / 1e9}

@@ -19,6 +19,7 @@ import os
 import weakref
 from typing import Any
 
+from specshim import _moved
 from specshim._base import pid_alive
 from specshim._closing import when_workers_gone
 from specshim.patches._transport.slab import (
@@ -92,7 +93,9 @@ def received(raw: Any, shape: Any, dtype: str) -> Any:
     larger one arrives as zmq frames (read-only), and an older vLLM sends it
     in band. Who owns the memory cannot be told from the buffer, so it is
     always copied before anything is handed out."""
-    return _Lease(raw.copy()).layer(0, shape, dtype)
+    copy = raw.copy()
+    _moved.add(queued_bytes=copy.nbytes)
+    return _Lease(copy).layer(0, shape, dtype)
 
 
 def _map(path: str) -> Any:
@@ -112,6 +115,7 @@ def _map(path: str) -> Any:
         os.close(fd)
     forget(())  # workers that exited without their generator's close()
     _ATTACHED[path] = mapping
+    _moved.add(slabs=1)
     unlink_quietly(path)
     return mapping
 
