@@ -31,6 +31,8 @@ WORKER_CORE = {
     # The pieces a served sample is handed to extract's writer as (stdlib
     # only at import): prefix_rows, which generate_guard imports, uses it.
     "specshim._joined",
+    # The transport's tally (no imports at all): handed_states adds to it.
+    "specshim._moved",
     "specshim._registry",
     "specshim._remote_code",
     "specshim._settings",
