@@ -30,7 +30,6 @@ def where_time_went(
     timing["between_calls"] = max(
         seconds - generating - handing - timing["finishing"], 0.0
     )
-    timing |= _transport()
     logger.info(
         "extract: of %.1f s after the first generate(): generate() %.1f s, "
         "handing batches to the writer %.1f s; the writer waited for "
@@ -50,6 +49,7 @@ def where_time_went(
         timing["finishing"],
         timing["between_calls"],
     )
+    timing |= _transport()
     if calls:
         # Warm-up (first-seen step shapes, slabs made) against the steady
         # pace: the first call, the median, the slowest.
