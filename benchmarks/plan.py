@@ -130,15 +130,13 @@ MOVED_KEYS = ("slabs", "queued_gb")
 
 def extract_timing(log: str) -> dict[str, Any] | None:
     """Where an ``extract`` run's time went, from its log; None without the
-    line. With the calls' line, their first, median and slowest seconds."""
+    line. With the calls' line, their first, median and slowest seconds;
+    with the end's and the transport's lines, theirs."""
     found = _TIMING.search(log)
     if not found:
         return None
     timing = dict(zip(TIMING_KEYS, map(float, found.groups()), strict=True))
-    calls = _CALLS.search(log)
-    if calls:
-        timing |= dict(zip(CALL_KEYS, map(float, calls.groups()), strict=True))
-    for pattern, keys in ((_END, END_KEYS), (_MOVED, MOVED_KEYS)):
+    for pattern, keys in ((_CALLS, CALL_KEYS), (_END, END_KEYS), (_MOVED, MOVED_KEYS)):
         found = pattern.search(log)
         if found:
             timing |= dict(zip(keys, map(float, found.groups()), strict=True))

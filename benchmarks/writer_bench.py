@@ -202,7 +202,6 @@ def main_thread_share(pairs: list[Any], out: Path, torch_save: bool) -> float:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from specshim.job.extract.writer import writers
 
-    shares = (("torch_file", False), ("torch.save", True))
     pairs = samples(args.samples, args.hidden, args.layers)
     nbytes = state_bytes(pairs)
     found: dict[str, Any] = {
@@ -234,7 +233,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{label}: {found[label]} GB/s", flush=True)
     for label in list(runs)[1:]:
         found[f"{label} / plain"] = round(found[label] / found["plain"], 3)
-    for label, torch_save in () if args.brief else shares:
+    shares = () if args.brief else (("torch_file", False), ("torch.save", True))
+    for label, torch_save in shares:
         best = max(
             main_thread_share(pairs, args.dir / "run", torch_save)
             for _ in range(args.passes)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from specshim._moved import tally
+
 logger = logging.getLogger("specshim.job.extract.command")
 
 
@@ -75,8 +77,6 @@ def _transport() -> dict[str, float]:
     made (more than ``extract`` prepares means some were made on the calls'
     path), and what came through vLLM's queue (no free slab). Logged where
     the state transport ran at all."""
-    from specshim._moved import tally
-
     moved = tally()
     if not (moved["slabs"] or moved["queued_bytes"]):
         return {}

@@ -126,14 +126,17 @@ def forget(pids: Any) -> None:
     Tensors still held keep their own slab mapped until they go; the rest is
     unmapped here, not whenever a later generator maps a slab."""
     gone = set(pids)
+    sweeps = set()  # (pid, directory): each swept once, however many slabs
     for path in list(_ATTACHED):
         owner = _owner_pid(path)
         if owner in gone or not pid_alive(owner):
             del _ATTACHED[path]
-            _sweep(owner, os.path.dirname(path))
+            sweeps.add((owner, os.path.dirname(path)))
     for pid in gone:  # slabs made before any call (``prepared-slabs``)
         if not pid_alive(pid):
-            _sweep(pid)
+            sweeps.add((pid, DIRECTORY))
+    for pid, directory in sweeps:
+        _sweep(pid, directory)
 
 
 def _sweep(pid: int, directory: str = DIRECTORY) -> None:
