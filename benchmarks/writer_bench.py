@@ -199,6 +199,40 @@ def main_thread_share(pairs: list[Any], out: Path, torch_save: bool) -> float:
     return beside / alone
 
 
+def page_cache(proc: Path = Path("/proc")) -> dict[str, int]:
+    """What bounds a write into the page cache on this host: its memory, and
+    the kernel's dirty-page limits (writers are throttled towards the disk's
+    speed once dirty pages pass about the midpoint of the background and the
+    hard limit; a ``_bytes`` setting, where nonzero, replaces its ratio).
+    A figure the host does not show is left out."""
+    found: dict[str, int] = {}
+    try:
+        for line in (proc / "meminfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in ("MemTotal", "MemAvailable", "Dirty"):
+                found[name] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    for name in ("dirty_ratio", "dirty_background_ratio", "dirty_bytes"):
+        try:
+            found[name] = int((proc / "sys" / "vm" / name).read_text())
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def throttle_bytes(cache: dict[str, int]) -> int | None:
+    """Dirty bytes past which the kernel starts slowing writers (the midpoint
+    of the background and the hard limit, of available memory); None where
+    the host's figures are missing."""
+    available = cache.get("MemAvailable")
+    if available is None or "dirty_ratio" not in cache:
+        return None
+    hard = cache.get("dirty_bytes") or available * cache["dirty_ratio"] // 100
+    background = available * cache.get("dirty_background_ratio", 0) // 100
+    return (hard + background) // 2
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from specshim.job.extract.writer import writers
 
@@ -213,6 +247,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "dir": str(args.dir),
         "passes": args.passes,
+        "page_cache": page_cache(),
     }
     runs = {
         "plain": lambda d: write_plain(pairs, d),
@@ -259,10 +294,28 @@ def render(found: dict[str, Any]) -> str:
         f"{found['threads']} threads on {found['cpus']} CPUs; best of "
         f"{found['passes']} passes.\n\n"
         f"Plain write of the same bytes, one thread: {found['plain']} GB/s.\n\n"
+        + _page_cache(found)
         + _shares(found)
         + "| extract's writer | GB/s | ÷ plain |\n|---|---:|---:|\n"
         f"{rows}\n\n"
         f"Host: {found.get('host', 'unknown')}; {found.get('date', '')}.\n"
+    )
+
+
+def _page_cache(found: dict[str, Any]) -> str:
+    """Whether the states outgrew what the host's page cache takes unthrottled
+    (results from before it have no such line)."""
+    cache = found.get("page_cache") or {}
+    limit = throttle_bytes(cache)
+    if limit is None:
+        return ""
+    over = "over" if found["state_bytes"] > limit else "under"
+    return (
+        f"The host had {cache['MemAvailable'] / 2**30:.0f} GiB available; "
+        f"writers are throttled from about {limit / 1e9:.1f} GB of dirty pages "
+        f"(vm.dirty_ratio {cache['dirty_ratio']}, dirty_background_ratio "
+        f"{cache.get('dirty_background_ratio', '?')}): these states were "
+        f"{over} that.\n\n"
     )
 
 

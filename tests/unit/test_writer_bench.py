@@ -88,3 +88,25 @@ def test_brief_runs_the_plain_write_and_the_writer_only(bench, tmp_path, monkeyp
     found = json.loads((tmp_path / "r" / "writer.json").read_text())["2 x 64"]
     assert found["plain"] > 0 and found["writer / plain"] > 0
     assert not [k for k in found if "busy" in k or "share" in k]
+
+
+def test_the_record_names_the_hosts_page_cache_limits(bench, tmp_path):
+    """A tens-of-GB write is read against the host's dirty-page limits: past
+    them the kernel slows writers towards the disk's speed."""
+    (tmp_path / "sys" / "vm").mkdir(parents=True)
+    (tmp_path / "meminfo").write_text(
+        "MemTotal:       134217728 kB\nMemAvailable:   104857600 kB\nDirty:  2048 kB\n"
+    )
+    for name, value in (("dirty_ratio", 20), ("dirty_background_ratio", 10)):
+        (tmp_path / "sys" / "vm" / name).write_text(f"{value}\n")
+    cache = bench.page_cache(tmp_path)
+    assert cache["MemAvailable"] == 100 * 2**30 and cache["Dirty"] == 2 * 2**20
+    assert "dirty_bytes" not in cache  # not shown: left out, not guessed
+    # midpoint of 10% and 20% of 100 GiB
+    assert bench.throttle_bytes(cache) == 15 * 2**30
+    (tmp_path / "sys" / "vm" / "dirty_bytes").write_text("4294967296\n")
+    assert bench.throttle_bytes(bench.page_cache(tmp_path)) == (2**32 + 10 * 2**30) // 2
+    assert bench.throttle_bytes({}) is None
+    found = {"state_bytes": 26 * 10**9, "page_cache": cache}
+    assert "these states were over that" in bench._page_cache(found)
+    assert bench._page_cache({"state_bytes": 1}) == ""
