@@ -137,6 +137,37 @@ def test_the_next_batch_serializes_while_one_commits(
     assert sorted(_written(tmp_path / "out")) == list(range(12))
 
 
+def test_a_batch_goes_to_the_pool_longest_first_and_commits_in_order(
+    tmp_path, tiny_model_dir, fake, monkeypatch
+):
+    """The pool starts a batch's longest samples first (a long one started
+    last would end the batch alone while the other threads idle), ties in
+    sample order; the batch is still recorded and renamed in sample order."""
+    monkeypatch.setattr(_writer, "writers", lambda: 1)
+    started, recorded = [], []
+    save, commit = _writer.prepare_sample, _writer.commit
+
+    def saving(run, todo, result):
+        started.append(todo.index)
+        return save(run, todo, result)
+
+    def committing(run, prepared):
+        recorded.append([p.todo.index for p in prepared])
+        return commit(run, prepared)
+
+    monkeypatch.setattr(_writer, "prepare_sample", saving)
+    monkeypatch.setattr(_writer, "commit", committing)
+    lengths = [2, 5, 1, 5, 3, 1, 4, 2]
+    rows = [{"input_ids": list(range(1, n + 1))} for n in lengths]
+    data = _jsonl(tmp_path / "d.jsonl", rows)
+    counts = extract(_options(tiny_model_dir("llama"), data, tmp_path / "out"))
+    assert counts["written"] == 8
+    assert started == [1, 3, 0, 2, 6, 4, 7, 5]  # batches of 4, longest first
+    assert recorded == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    written = _written(tmp_path / "out")
+    assert [len(written[i]) for i in range(8)] == lengths
+
+
 def test_the_rate_leaves_out_the_engines_shutdown(
     tmp_path, tiny_model_dir, fake, monkeypatch
 ):

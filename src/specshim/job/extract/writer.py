@@ -189,12 +189,16 @@ class Writer:
     def _submit(
         self, batch: list[Todo], results: list[dict[str, Any]]
     ) -> tuple[list[Todo], list[Any]]:
-        """The batch on the pool: each sample serialized as soon as a thread
-        is free."""
-        futures = [
-            self.pool.submit(prepare_sample, self.run, todo, result)
-            for todo, result in zip(batch, results, strict=True)
-        ]
+        """The batch on the pool, longest sample first, each serialized as
+        soon as a thread is free: a long sample started last would leave the
+        other threads idle while it ends the batch (the last batch's write is
+        what a run waits for after its last call). The futures stay in sample
+        order, which is the order they are committed in."""
+        futures: list[Any] = [None] * len(batch)
+        longest_first = sorted(range(len(batch)), key=lambda i: -len(batch[i]))
+        for i in longest_first:
+            todo, result = batch[i], results[i]
+            futures[i] = self.pool.submit(prepare_sample, self.run, todo, result)
         return batch, futures
 
     def _next(self, pending: tuple[list[Todo], list[Any]] | None) -> Any:
