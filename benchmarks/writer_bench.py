@@ -213,7 +213,12 @@ def page_cache(proc: Path = Path("/proc")) -> dict[str, int]:
                 found[name] = int(value.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    for name in ("dirty_ratio", "dirty_background_ratio", "dirty_bytes"):
+    for name in (
+        "dirty_ratio",
+        "dirty_background_ratio",
+        "dirty_bytes",
+        "dirty_background_bytes",
+    ):
         try:
             found[name] = int((proc / "sys" / "vm" / name).read_text())
         except (OSError, ValueError):
@@ -229,7 +234,9 @@ def throttle_bytes(cache: dict[str, int]) -> int | None:
     if available is None or "dirty_ratio" not in cache:
         return None
     hard = cache.get("dirty_bytes") or available * cache["dirty_ratio"] // 100
-    background = available * cache.get("dirty_background_ratio", 0) // 100
+    background = cache.get("dirty_background_bytes") or (
+        available * cache.get("dirty_background_ratio", 0) // 100
+    )
     return (hard + background) // 2
 
 

@@ -106,6 +106,8 @@ def test_the_record_names_the_hosts_page_cache_limits(bench, tmp_path):
     assert bench.throttle_bytes(cache) == 15 * 2**30
     (tmp_path / "sys" / "vm" / "dirty_bytes").write_text("4294967296\n")
     assert bench.throttle_bytes(bench.page_cache(tmp_path)) == (2**32 + 10 * 2**30) // 2
+    (tmp_path / "sys" / "vm" / "dirty_background_bytes").write_text("1073741824\n")
+    assert bench.throttle_bytes(bench.page_cache(tmp_path)) == (2**32 + 2**30) // 2
     assert bench.throttle_bytes({}) is None
     found = {"state_bytes": 26 * 10**9, "page_cache": cache}
     assert "these states were over that" in bench._page_cache(found)

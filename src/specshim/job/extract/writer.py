@@ -194,13 +194,10 @@ class Writer:
         other threads idle while it ends the batch (the last batch's write is
         what a run waits for after its last call). The futures stay in sample
         order, which is the order they are committed in."""
-        if len(results) != len(batch):  # extract checks; a caller of its own may not
-            raise ValueError(f"{len(results)} results for {len(batch)} samples")
-        futures: list[Any] = [None] * len(batch)
-        longest_first = sorted(range(len(batch)), key=lambda i: -len(batch[i]))
-        for i in longest_first:
-            todo, result = batch[i], results[i]
-            futures[i] = self.pool.submit(prepare_sample, self.run, todo, result)
+        pairs = list(zip(batch, results, strict=True))
+        futures: list[Any] = [None] * len(pairs)
+        for i in sorted(range(len(pairs)), key=lambda i: -len(batch[i])):
+            futures[i] = self.pool.submit(prepare_sample, self.run, *pairs[i])
         return batch, futures
 
     def _next(self, pending: tuple[list[Todo], list[Any]] | None) -> Any:
