@@ -152,3 +152,24 @@ def test_profiled_extract_profiles_the_worker_over_the_calls_it_is_told(
     found = json.loads(line.removeprefix("WORKER-PROFILE "))
     assert found["calls"] == [2, 3] and len(found["calls_s"]) == 2
     assert found["tokens_per_step"] == [2, 3]
+
+
+def test_reuse_md_says_where_the_cache_stayed_off(bench):
+    """A data set in which no two samples share a first block runs with the
+    cache off; its row says so rather than show a cache that served 0%."""
+    markdown = bench("reuse_bench").markdown
+    row = {
+        "samples": 4,
+        "tokens": 4000,
+        "samples_per_second": {"without": 2.0, "with": 2.0},
+        "speedup": 1.0,
+        "goal": 0.97,
+        "met": True,
+        "agreement": {"identical": 4},
+    }
+    results = {"model": "m", "machine": "h", "runs_a_side": 1, "datasets": {}}
+    results["datasets"]["unshared"] = row | {"with": [{"cache_off": True}]}
+    results["datasets"]["system"] = row | {"with": [{"served_tokens": 1000}]}
+    lines = markdown(results).splitlines()
+    assert lines[-2].startswith("| unshared | 4 | 4,000 | 0% (cache off) | 2.00 |")
+    assert lines[-1].startswith("| system | 4 | 4,000 | 25% | 2.00 |")

@@ -33,6 +33,7 @@ from specshim.job.extract import reuse, startup
 from specshim.job.extract.feed import Feed, Todo
 from specshim.job.extract.options import ExtractOptions
 from specshim.job.extract.plan import RunPlan, plan_run
+from specshim.job.extract.prefixes import SMALLEST_BLOCK, may_share
 from specshim.job.extract.timing import where_time_went
 from specshim.job.extract.writer import IN_FLIGHT, Progress, Writer, drain
 from specshim.job.inputs.tokenizing import warn_truncated
@@ -161,6 +162,8 @@ class _Pipeline:
         self.ended = 0.0  # when the last file was committed
         self.handed = 0.0  # when the last batch was handed to the writer
         self.reuse: reuse.Reuse | None = None  # --reuse-prefixes
+        # vLLM's prefix cache on: --reuse-prefixes, where samples may share.
+        self.caching = plan.reuse_prefixes
 
     def _samples(self, feed: Feed) -> Iterable[Todo]:
         """The feed; with --reuse-prefixes, all of it, in the plan's order."""
@@ -168,6 +171,19 @@ class _Pipeline:
             return feed
         todos = list(feed)
         if not todos:
+            return todos
+        if not may_share(todo.input_ids for todo in todos):
+            # Nothing the cache could serve: it stays off, and its hashing of
+            # every block of every call with it (on an H100, a 1.2B model's
+            # calls took 12% longer with it on and nothing shared).
+            logger.info(
+                "extract: --reuse-prefixes: no two samples share their first "
+                "%d tokens (vLLM's smallest KV-cache block), so no prefix "
+                "can be served; the prefix cache stays off and every token is "
+                "computed, as without the flag",
+                SMALLEST_BLOCK,
+            )
+            self.caching = False
             return todos
         # Slabs sized as extract sizes them without the flag: reused calls
         # capture fewer rows than their batch's tokens, so these fit them.
@@ -234,7 +250,7 @@ class _Pipeline:
         if on_cpu():
             space, source = cpu_kv_space(plan.cpu_kv_space_gib, plan.kv_need_bytes)
             logger.info("extract: vLLM CPU KV-cache space %d GiB (%s)", space, source)
-        wanted = {REUSE: "1"} if plan.reuse_prefixes else {}
+        wanted = {REUSE: "1"} if self.caching else {}
         if first and not {SLAB_ROWS, SLABS} & os.environ.keys():  # or the user's
             rows = sum(len(todo) for todo in first)
             wanted |= {SLAB_ROWS: str(rows), SLABS: str(IN_FLIGHT)}

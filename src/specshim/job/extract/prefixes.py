@@ -47,9 +47,17 @@ __all__ = [
     "chain",
     "engine_block_hasher",
     "engine_hash_fn",
+    "may_share",
     "plain_block_hasher",
     "plan_prefixes",
 ]
+
+# The smallest KV-cache block the generator's engine counts in: speculators
+# builds its CacheConfig with block_size=16, which vLLM keeps or raises (64 or
+# 128 for some MLA kernels; on the CPU from vLLM 0.29, where the patch
+# ``cpu_block_size`` lets the platform choose, 128, or 16 for its MLA), and
+# the scheduler multiplies by the context-parallel sizes.
+SMALLEST_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,26 @@ class PrefixPlan:
     @property
     def reused_tokens(self) -> int:
         return sum(self.reuse.values())
+
+
+def may_share(
+    samples: Iterable[Sequence[int]], smallest_block: int = SMALLEST_BLOCK
+) -> bool:
+    """Whether any two samples could share a prefix at any block size of at
+    least ``smallest_block``: False only where no two hold the same first
+    ``smallest_block`` tokens, so that no full first block, of that size or
+    larger, is shared and the cache could serve nothing. Where it says False
+    the prefix cache need not be on at all (vLLM hashes every block of every
+    request when it is)."""
+    seen: set[tuple[int, ...]] = set()
+    for ids in samples:
+        if len(ids) < smallest_block:
+            continue  # holds no full block
+        first = tuple(ids[:smallest_block])
+        if first in seen:
+            return True
+        seen.add(first)
+    return False
 
 
 def engine_hash_fn(algorithm: str = "sha256") -> Callable[[Any], bytes]:
