@@ -26,6 +26,7 @@ from hypothesis.stateful import (
 from specshim import close
 from specshim._closing import worker_pids
 from specshim.patches._transport.shared_states import MAX_SLABS, slab_size
+from specshim.testing.forking import exit_status, forked
 from specshim.testing.worker_probes import use_transport
 
 from .ownership import (
@@ -51,6 +52,14 @@ class Held:
         self.tensor, self.root, self.read = tensor, root, read
 
 
+def _write(tensor: torch.Tensor) -> None:
+    """Change every element of ``tensor`` in place (a caller's write)."""
+    if tensor.dtype == torch.int16:
+        tensor.bitwise_xor_(0x5A5A)
+    else:
+        tensor.mul_(-1)
+
+
 class Lifetime(RuleBasedStateMachine):
     """A caller of ``generate()``: holds, slices, views, clones, writes and drops
     what it got, closes the generator and opens another, while every held
@@ -65,6 +74,7 @@ class Lifetime(RuleBasedStateMachine):
     examples = 0
     overflows = 0
     reopens = 0
+    forks = 0  # children forked while the caller held results
 
     def __init__(self) -> None:
         super().__init__()
@@ -206,10 +216,29 @@ class Lifetime(RuleBasedStateMachine):
         else does."""
         entry = data.draw(st.sampled_from(self.held))
         for tensor in (entry.tensor, entry.read(self.mirrors[entry.root])):
-            if tensor.dtype == torch.int16:
-                tensor.bitwise_xor_(0x5A5A)
-            else:
-                tensor.mul_(-1)
+            _write(tensor)
+
+    @precondition(lambda self: self.held)
+    @rule()
+    def fork_and_write(self) -> None:
+        """A forked child (a DataLoader worker, a multiprocessing child under
+        fork) reads everything the caller holds, then writes into all of it:
+        the child saw what the caller held, and the caller sees none of the
+        child's writes (``check_held``), nor the worker's once the slabs under
+        them went back to it at the fork."""
+
+        def work() -> bool:
+            entries = self.held + self.aside
+            same = all(
+                torch.equal(e.tensor, e.read(self.mirrors[e.root])) for e in entries
+            )
+            for entry in entries:
+                _write(entry.tensor)
+            return same
+
+        with forked(work) as pid:
+            Lifetime.forks += 1
+            assert exit_status(pid) == 0, "a forked child read other rows, or hung"
 
     @precondition(lambda self: self.held)
     @rule(data=st.data(), everything=st.booleans())
@@ -267,6 +296,11 @@ class Lifetime(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not Lifetime.reopens:  # once a run at least, whatever the rules were
             self._reopen()
+        if not Lifetime.forks:  # the same (hypothesis may leave a rule out)
+            if not self.held:
+                self.generate_small(16)
+            self.fork_and_write()
+            self.check_held()
         self.held.clear()
         self.aside.clear()
         self.mirrors.clear()

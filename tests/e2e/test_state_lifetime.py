@@ -32,6 +32,7 @@ def run_lifetime(open_generator, examples: int = 2, steps: int = 120) -> None:
     Lifetime.open = open_generator
     Lifetime.opened, Lifetime.largest, Lifetime.seen = [], {}, []
     Lifetime.checks = Lifetime.examples = Lifetime.overflows = Lifetime.reopens = 0
+    Lifetime.forks = 0
     try:
         run_state_machine_as_test(
             Lifetime,
@@ -56,11 +57,11 @@ def run_lifetime(open_generator, examples: int = 2, steps: int = 120) -> None:
     assert slab_bytes(every) == 0 and slab_files(every) == []
     print(
         f"lifetime: {Lifetime.steps()} steps in {Lifetime.examples} examples, "
-        f"{1 + Lifetime.reopens} generators, largest reply "
+        f"{1 + Lifetime.reopens} generators, {Lifetime.forks} forks, largest reply "
         f"{max(Lifetime.largest.values()) / 2**20:.1f} MiB"
     )
     assert Lifetime.steps() >= STEPS, f"only {Lifetime.steps()} steps ran"
-    assert Lifetime.reopens >= 1 and Lifetime.overflows >= 1
+    assert Lifetime.reopens >= 1 and Lifetime.overflows >= 1 and Lifetime.forks >= 1
     paths = {(mode, size) for mode, size, _ in Lifetime.seen}
     for mode in ("shared", "fallback", "pickled"):
         assert (mode, "out of band") in paths, f"no out-of-band reply went {mode}"

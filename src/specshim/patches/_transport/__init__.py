@@ -16,6 +16,8 @@ Rooms:
 * ``handed_states``: the main process's side. A descriptor mapped into the
   call's layers, the lease that gives a slab back once the caller lets go of
   every tensor over it, and the clones handed their own rows.
+* ``private_copy``: a shared mapping turned into the process's own memory
+  where it stands (``handed_states`` does it to held slabs at a fork).
 * ``rows``: which captured rows are which sequence's (from the tokens and
   positions the forward recorded), used to lay them out in input order in
   the worker and to prove them in the main process.

@@ -8,20 +8,31 @@ and returns each layer as a ``HandOver`` tensor viewing its rows. A
 alive, and when the last one goes its finalizer writes the fetch's
 generation into the slab's "released" word, which is what lets the worker
 write there again.
+
+A fork would break that rule: the child inherits the caller's tensors over
+the same shared pages, so either side's in-place writes show in the other,
+a release lets the worker overwrite what the other still reads, and a child
+letting go of its copies would release rows the parent still holds. So at a
+fork the slabs with rows held are first made this process's own memory
+(``private_copy``: ordinary memory, copied on write as any other) and then
+released, and a release only ever comes from the process that attached.
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import math
 import mmap
 import os
+import threading
 import weakref
 from typing import Any
 
 from specshim import _moved
 from specshim._base import pid_alive
 from specshim._closing import when_workers_gone
+from specshim.patches._transport import private_copy
 from specshim.patches._transport.slab import (
     DIRECTORY,
     HEADER,
@@ -56,14 +67,22 @@ class Unattached:
     __getitem__ = __len__ = __iter__ = _refuse
 
 
+logger = logging.getLogger(__name__)
+
 _ATTACHED: dict[str, mmap.mmap] = {}  # path -> mapping, while its worker keeps it
+# path -> an open descriptor of the (unlinked) file, to map it anew at a fork
+_FILES: dict[str, int] = {}
+# The releases of slab leases whose rows may still be held (a dead one holds
+# nothing: its mapping goes with the last lease over it).
+_HELD: list[weakref.finalize] = []
+_FORKING = threading.Lock()  # no lease is made while a fork takes them over
 
 
 def attach(path: str, generation: int, layers: Any, retired: Any = ()) -> list[Any]:
     """Main process: the call's layers, each a ``HandOver`` viewing its rows
     (``layers`` holds each one's offset, shape and dtype)."""
     for old in retired:
-        _ATTACHED.pop(old, None)  # views still held keep the memory alive
+        _let_go(old)  # views still held keep the memory alive
     mapping = _ATTACHED.get(path)
     if mapping is None:
         mapping = _map(path)
@@ -111,10 +130,12 @@ def _map(path: str) -> Any:
         )
     try:
         mapping = mmap.mmap(fd, 0)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
     forget(())  # workers that exited without their generator's close()
-    _ATTACHED[path] = mapping
+    _let_go(path)
+    _ATTACHED[path], _FILES[path] = mapping, fd
     _moved.add(slabs=1)
     unlink_quietly(path)
     return mapping
@@ -130,7 +151,7 @@ def forget(pids: Any) -> None:
     for path in list(_ATTACHED):
         owner = _owner_pid(path)
         if owner in gone or not pid_alive(owner):
-            del _ATTACHED[path]
+            _let_go(path)
             sweeps.add((owner, os.path.dirname(path)))
     for pid in gone:  # slabs made before any call (``prepared-slabs``)
         if not pid_alive(pid):
@@ -150,13 +171,24 @@ def _sweep(pid: int, directory: str = DIRECTORY) -> None:
 when_workers_gone(forget)  # a closed generator's slabs are unmapped
 
 
+def _let_go(path: str) -> None:
+    """Forget this process's mapping of ``path`` and close its descriptor."""
+    _ATTACHED.pop(path, None)
+    fd = _FILES.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
 def _owner_pid(path: str) -> int:
     """The worker pid in ``.../specshim-states-PID-TOKEN-TOKEN``."""
     return int(os.path.basename(path).split("-")[2])
 
 
-def _release(mapping: Any, generation: int) -> None:
-    """The main process holds nothing over this fetch's slab any more."""
+def _release(mapping: Any, generation: int, attached_by: int) -> None:
+    """The main process holds nothing over this fetch's slab any more (a
+    forked child's copies never release what its parent holds)."""
+    if os.getpid() != attached_by:
+        return
     try:
         mapping[8:16] = generation.to_bytes(8, "little")
     except ValueError:  # the mapping was closed: nobody will reuse it
@@ -178,8 +210,14 @@ class _Lease:
     def of_slab(cls, mapping: Any, generation: int) -> _Lease:
         import numpy as np
 
-        lease = cls(np.frombuffer(mapping, dtype=np.uint8), HEADER)
-        weakref.finalize(lease.array, _release, mapping, generation).atexit = False
+        with _FORKING:
+            lease = cls(np.frombuffer(mapping, dtype=np.uint8), HEADER)
+            release = weakref.finalize(
+                lease.array, _release, mapping, generation, os.getpid()
+            )
+            release.atexit = False
+            _HELD[:] = [held for held in _HELD if held.alive]
+            _HELD.append(release)
         return lease
 
     def tensor(self, start: int, nbytes: int, dtype: Any, shape: Any) -> Any:
@@ -209,6 +247,51 @@ class _Lease:
             return None
         self.taken.append((start, end))
         return self.tensor(start, end - start, view.dtype, view.shape)
+
+
+def _before_fork() -> None:
+    """Make every slab with rows still held this process's own memory, then
+    release it to its worker (see the module docstring). Where the memory
+    cannot be copied, the slab stays shared and is never released: the
+    worker never writes it again, and a warning says that in-place writes
+    show on both sides of the fork."""
+    _FORKING.acquire()
+    held: dict[int, tuple[mmap.mmap, int]] = {}
+    for release in _HELD:
+        detached = release.detach()  # the parent's rows never release it now
+        if detached is not None:
+            mapping, generation, _ = detached[2]
+            held[id(mapping)] = (mapping, generation)
+    _HELD.clear()
+    for mapping, generation in held.values():
+        path = next((p for p, m in _ATTACHED.items() if m is mapping), None)
+        try:
+            private_copy.make_private(mapping)
+        except OSError as exc:
+            logger.warning(
+                "specshim: a fork while generate()'s results are held, and their "
+                "memory could not be copied for this process alone (%s): parent "
+                "and child share it, so do not write to those tensors in place",
+                exc,
+            )
+            continue
+        if path is None:
+            continue  # retired, or its generator closed: never written again
+        try:  # its worker may write the slab again: map it anew, then release
+            _ATTACHED[path] = mmap.mmap(_FILES[path], 0)
+        except OSError:
+            _let_go(path)  # never released: its worker does without it
+        else:
+            _release(_ATTACHED[path], generation, os.getpid())
+
+
+def _after_fork() -> None:
+    _FORKING.release()
+
+
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork
+)
 
 
 def _hand_over_class() -> Any:

@@ -38,6 +38,11 @@ Lifetime, the rule everything here relies on:
   main process removes what a killed worker left (``handed_states.forget``).
   Where both were killed at once, a later run's worker removes the files no
   process holds a lock on (``host_slabs.sweep_stale``).
+* A fork of the main process while it holds rows over slabs makes those
+  slabs its own memory first (``handed_states._before_fork``): parent and
+  child then have copy-on-write copies, as of any other memory, and the slab
+  goes back to its worker. A release comes only from the process that
+  attached the slab, so a child letting go of its copies releases nothing.
 
 Making a slab costs time on the call's path: reserving it in ``/dev/shm`` and
 pinning it took about 0.5 s a GB on an H200 host, and ``extract``, whose
