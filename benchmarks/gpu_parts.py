@@ -342,17 +342,17 @@ REUSE_SAMPLES = 256  # a data set's two runs' files fit the lent host's disk
 
 
 def part_reuse(args: argparse.Namespace, data: list[list[int]]) -> dict[str, Any]:
-    """Issue 47's three data sets (``reuse_bench.py``) on this model's
-    checkpoint: ``extract --reuse-prefixes`` against ``extract``, one run a
-    side (engine starts are dear on a lent host), files compared; with
-    ``--profile`` or ``--worker-profile N``, reuse_bench's profiles too (more
-    engine starts: give the part a call of its own)."""
+    """Issue 47's data sets (``reuse_bench.py``): ``extract --reuse-prefixes``
+    against ``extract``, one run a side, the flag's first (a fresh host's
+    first-run cost then understates the speedup: performance.md, tenth
+    lease), files compared; ``--profile``, ``--worker-profile N``: its profiles
+    too (more engine starts: give the part a call of its own)."""
     if args.model in DUMMY_WEIGHTS:
         raise RuntimeError("reuse runs extract on a checkpoint with weights")
     name = label("reuse") + f"-{args.model}"
     command = [
         *(sys.executable, str(Path(__file__).with_name("reuse_bench.py"))),
-        *("--model-dir", str(args.model_dir), "--order", "AB"),
+        *("--model-dir", str(args.model_dir), "--order", "BA"),
         *("--layers", ",".join(str(k) for k in MODELS[args.model][2])),
         *("--samples", str(REUSE_SAMPLES), "--results", str(args.results)),
         *("--name", name),

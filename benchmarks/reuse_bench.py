@@ -293,9 +293,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--order",
         default="ABBA",
-        choices=("ABBA", "AB"),
-        help="a block's runs, A without the flag and B with it (AB: one each, "
-        "where engine starts are dear)",
+        choices=("ABBA", "AB", "BA"),
+        help="a block's runs, A without the flag and B with it (AB or BA: one "
+        "each, where engine starts are dear; BA puts a fresh host's first-run "
+        "cost on the flag's side)",
     )
     parser.add_argument("--datasets", default=",".join(GOALS))
     parser.add_argument("--model-dir", type=Path, default=None)
