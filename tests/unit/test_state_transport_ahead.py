@@ -6,6 +6,7 @@ fails, and removed when its worker was killed before using it."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import os
 
@@ -97,7 +98,22 @@ def test_a_killed_workers_slab_made_ahead_is_removed(tmp_path):
     held = _fetch(worker, 1)
     region.ahead.join()
     assert len(os.listdir(tmp_path)) == 1  # attached ones are unlinked already
+    for slab in region.ahead.made:  # as the worker's death lets go of them
+        fcntl.flock(slab.fd, fcntl.LOCK_UN)
     _handed_states.forget([os.getpid()])  # as when the worker is gone
     assert os.listdir(tmp_path) == []
+    del held
+    region.close()
+
+
+def test_a_slab_whose_lock_is_held_is_kept_whatever_its_pid(tmp_path):
+    """Under --ipc=host, /dev/shm is shared with other PID namespaces: a file
+    named with a pid this process thinks gone may be a live worker's, which
+    holds its lock."""
+    worker, region = _ahead_worker(str(tmp_path))
+    held = _fetch(worker, 1)
+    region.ahead.join()
+    _handed_states.forget([os.getpid()])
+    assert len(os.listdir(tmp_path)) == 1
     del held
     region.close()

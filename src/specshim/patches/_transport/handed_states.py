@@ -38,6 +38,7 @@ from specshim.patches._transport.slab import (
     HEADER,
     files_of,
     read_word,
+    remove_unlocked,
     unlink_quietly,
 )
 
@@ -165,7 +166,7 @@ def _sweep(pid: int, directory: str = DIRECTORY) -> None:
     was killed cannot remove the slabs it made ahead for calls that never
     came (``host_slabs.Ahead``)."""
     for leftover in glob.glob(files_of(pid, directory)):
-        unlink_quietly(leftover)
+        remove_unlocked(leftover)  # a lock held: another namespace's pid
 
 
 when_workers_gone(forget)  # a closed generator's slabs are unmapped

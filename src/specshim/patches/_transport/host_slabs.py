@@ -14,7 +14,13 @@ import os
 import threading
 import time
 
-from specshim.patches._transport.slab import HEADER, PREFIX, read_word, unlink_quietly
+from specshim.patches._transport.slab import (
+    HEADER,
+    PREFIX,
+    read_word,
+    remove_unlocked,
+    unlink_quietly,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -99,21 +105,13 @@ def sweep_stale(directory: str) -> tuple[int, int]:
     removed = freed = 0
     for path in glob.glob(os.path.join(glob.escape(directory), f"{PREFIX}-*")):
         try:
-            found = os.stat(path)
-            if time.time() - found.st_mtime < STALE_S:
+            if time.time() - os.stat(path).st_mtime < STALE_S:
                 continue
-            fd = os.open(path, os.O_RDONLY)
         except OSError:
-            continue  # gone meanwhile, or not ours to read
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # its worker lives
-        else:
-            unlink_quietly(path)
-            removed, freed = removed + 1, freed + found.st_size
-        finally:
-            os.close(fd)
+            continue  # gone meanwhile
+        size = remove_unlocked(path)
+        if size is not None:
+            removed, freed = removed + 1, freed + size
     return removed, freed
 
 

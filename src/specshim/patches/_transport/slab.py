@@ -6,6 +6,7 @@ functions, which pickle resolves by name at the other end."""
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
 from typing import Any
@@ -31,3 +32,25 @@ def unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def remove_unlocked(path: str) -> int | None:
+    """Remove a slab's file if no process holds a lock on it (a worker holds
+    one on each of its slabs while it lives): its size, or None where it was
+    kept (locked, gone meanwhile, or not ours to read). The lock, not the
+    pid in the name, tells a live owner: under ``--ipc=host`` the directory
+    is shared with processes of other PID namespaces, whose pids repeat."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return None  # its worker lives
+    else:
+        size = os.fstat(fd).st_size
+        unlink_quietly(path)
+        return size
+    finally:
+        os.close(fd)
