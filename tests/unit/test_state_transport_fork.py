@@ -64,7 +64,9 @@ def test_rows_held_across_a_fork_are_each_process_own():
         return torch.equal(held[0], want[0] + 1) and torch.equal(held[1], want[1])
 
     with forked(work) as pid:
-        os.read(wrote_r, 1)
+        os.close(wrote_w)  # a child gone before it wrote: end of file, not a hang
+        os.close(go_r)
+        assert os.read(wrote_r, 1) == b"w", "the child ended before it wrote"
         assert torch.equal(held[0], want[0])  # the child's write did not show here
         held[1].mul_(3)  # nor does the parent's show in the child
         fetch(99)  # the worker writes its slab again: it was released
@@ -74,6 +76,8 @@ def test_rows_held_across_a_fork_are_each_process_own():
         assert exit_status(pid) == 0, (
             "the child saw the parent's or the worker's writes"
         )
+    os.close(wrote_r)
+    os.close(go_w)
     region.close()
 
 
@@ -152,3 +156,35 @@ def test_a_mapping_made_private_keeps_its_bytes_and_leaves_the_file(tmp_path):
 def _no_leases_left():
     yield
     gc.collect()
+
+
+def test_where_the_move_fails_after_unmapping_the_file_is_mapped_back(
+    tmp_path, monkeypatch
+):
+    """mremap with MREMAP_FIXED unmaps the range first; where it fails after
+    that, the rows' file is mapped back at their address, not left unmapped
+    under the caller's tensors."""
+    import ctypes
+    import mmap
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 64)
+    fd = os.open(path, os.O_RDWR)
+    mapping = mmap.mmap(fd, 0)
+    real = private_copy._libc()
+
+    class FailingMove:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def mremap(self, old, size, new_size, flags, address):
+            real.munmap(address, new_size)  # the kernel's first step
+            ctypes.set_errno(12)
+            return private_copy._FAILED
+
+    monkeypatch.setattr(private_copy, "_libc", FailingMove)
+    with pytest.raises(OSError, match="mremap"):
+        private_copy.make_private(mapping, fd)
+    assert mapping[:] == bytes(range(256)) * 64  # mapped back: readable
+    os.close(fd)
+    mapping.close()

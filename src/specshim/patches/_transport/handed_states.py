@@ -76,7 +76,9 @@ _FILES: dict[str, int] = {}
 # The releases of slab leases whose rows may still be held (a dead one holds
 # nothing: its mapping goes with the last lease over it).
 _HELD: list[weakref.finalize] = []
-_FORKING = threading.Lock()  # no lease is made while a fork takes them over
+# Held by a fork's handler: no lease is made and no slab attached or let go
+# meanwhile (its copies let other threads run).
+_FORKING = threading.Lock()
 
 
 def attach(path: str, generation: int, layers: Any, retired: Any = ()) -> list[Any]:
@@ -135,8 +137,9 @@ def _map(path: str) -> Any:
         os.close(fd)
         raise
     forget(())  # workers that exited without their generator's close()
-    _let_go(path)
-    _ATTACHED[path], _FILES[path] = mapping, fd
+    with _FORKING:
+        _drop(path)
+        _ATTACHED[path], _FILES[path] = mapping, fd
     _moved.add(slabs=1)
     unlink_quietly(path)
     return mapping
@@ -173,7 +176,13 @@ when_workers_gone(forget)  # a closed generator's slabs are unmapped
 
 
 def _let_go(path: str) -> None:
-    """Forget this process's mapping of ``path`` and close its descriptor."""
+    """Forget this process's mapping of ``path`` and close its descriptor
+    (never while a fork takes the held slabs over)."""
+    with _FORKING:
+        _drop(path)
+
+
+def _drop(path: str) -> None:
     _ATTACHED.pop(path, None)
     fd = _FILES.pop(path, None)
     if fd is not None:
@@ -256,7 +265,7 @@ def _before_fork() -> None:
     cannot be copied, the slab stays shared and is never released: the
     worker never writes it again, and a warning says that in-place writes
     show on both sides of the fork."""
-    _FORKING.acquire()
+    _FORKING.acquire()  # released after the fork, in parent and child
     held: dict[int, tuple[mmap.mmap, int]] = {}
     for release in _HELD:
         detached = release.detach()  # the parent's rows never release it now
@@ -267,23 +276,28 @@ def _before_fork() -> None:
     for mapping, generation in held.values():
         path = next((p for p, m in _ATTACHED.items() if m is mapping), None)
         try:
-            private_copy.make_private(mapping)
-        except OSError as exc:
+            _take_over(mapping, generation, path)
+        except Exception as exc:  # noqa: BLE001 - a fork must go on
             logger.warning(
                 "specshim: a fork while generate()'s results are held, and their "
                 "memory could not be copied for this process alone (%s): parent "
                 "and child share it, so do not write to those tensors in place",
                 exc,
             )
-            continue
-        if path is None:
-            continue  # retired, or its generator closed: never written again
-        try:  # its worker may write the slab again: map it anew, then release
-            _ATTACHED[path] = mmap.mmap(_FILES[path], 0)
-        except OSError:
-            _let_go(path)  # never released: its worker does without it
-        else:
-            _release(_ATTACHED[path], generation, os.getpid())
+
+
+def _take_over(mapping: mmap.mmap, generation: int, path: str | None) -> None:
+    """One held slab: this process's own memory, then mapped anew and
+    released where its worker may write it again."""
+    private_copy.make_private(mapping, _FILES.get(path) if path else None)
+    if path is None:
+        return  # retired, or its generator closed: never written again
+    try:
+        _ATTACHED[path] = mmap.mmap(_FILES[path], 0)
+    except OSError:
+        _drop(path)  # never released: its worker does without it
+    else:
+        _release(_ATTACHED[path], generation, os.getpid())
 
 
 def _after_fork() -> None:

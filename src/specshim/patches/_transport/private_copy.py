@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2  # linux/mman.h
+_MAP_FIXED = 0x10
 _FAILED = ctypes.c_void_p(-1).value
 
 
@@ -39,9 +40,11 @@ def _failed(call: str) -> OSError:
     return OSError(errno, f"{call}: {os.strerror(errno)}")
 
 
-def make_private(mapping: mmap.mmap) -> None:
+def make_private(mapping: mmap.mmap, fd: int | None = None) -> None:
     """Replace ``mapping``'s pages with a private anonymous copy of them, at
-    the same address (Linux only; OSError where it cannot be done)."""
+    the same address (Linux only; OSError where it cannot be done). ``fd``:
+    the file under it, mapped back where ``mremap`` fails after unmapping the
+    range (as it may for want of memory)."""
     if not sys.platform.startswith("linux"):
         raise OSError(f"moving a mapping is not supported on {sys.platform}")
     view = ctypes.c_char.from_buffer(mapping)  # writable: the mapping's start
@@ -50,19 +53,22 @@ def make_private(mapping: mmap.mmap) -> None:
     size = len(mapping)
     length = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
     libc = _libc()
+    readable = mmap.PROT_READ | mmap.PROT_WRITE
     fresh = libc.mmap(
-        None,
-        length,
-        mmap.PROT_READ | mmap.PROT_WRITE,
-        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-        -1,
-        0,
+        None, length, readable, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0
     )
     if fresh is None or fresh == _FAILED:
         raise _failed("mmap")
     ctypes.memmove(fresh, address, size)
     moved = libc.mremap(fresh, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, address)
-    if moved != address:
-        error = _failed("mremap")
-        libc.munmap(fresh, length)
-        raise error
+    if moved == address:
+        return
+    error = _failed("mremap")
+    libc.munmap(fresh, length)
+    back = None
+    if fd is not None:
+        fixed = mmap.MAP_SHARED | _MAP_FIXED
+        back = libc.mmap(address, length, readable, fixed, fd, 0)
+    if back != address:  # the range may be unmapped: reading it would crash
+        raise OSError(error.errno, f"{error.strerror}; the shared mapping is gone")
+    raise error
