@@ -188,3 +188,19 @@ def test_where_the_move_fails_after_unmapping_the_file_is_mapped_back(
     assert mapping[:] == bytes(range(256)) * 64  # mapped back: readable
     os.close(fd)
     mapping.close()
+
+
+def test_slabs_let_go_from_the_garbage_collector_during_a_fork_do_not_deadlock():
+    """A generator collected while the fork's handler holds its lock lets its
+    slabs go on the same thread (the collector runs where memory is taken)."""
+    import threading
+
+    def collect_during_fork() -> None:
+        with _handed_states._FORKING:  # as the handler holds it
+            _handed_states.forget([])  # what a collected generator's finalizer does
+            _handed_states._let_go("/dev/shm/specshim-states-1-a-b")
+
+    thread = threading.Thread(target=collect_during_fork, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "letting slabs go under the fork's lock hung"

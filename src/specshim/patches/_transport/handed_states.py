@@ -77,8 +77,10 @@ _FILES: dict[str, int] = {}
 # nothing: its mapping goes with the last lease over it).
 _HELD: list[weakref.finalize] = []
 # Held by a fork's handler: no lease is made and no slab attached or let go
-# meanwhile (its copies let other threads run).
-_FORKING = threading.Lock()
+# meanwhile (its copies let other threads run). Reentrant: a generator
+# collected meanwhile lets its slabs go from the garbage collector, on
+# whichever thread allocated, the handler's own included.
+_FORKING = threading.RLock()
 
 
 def attach(path: str, generation: int, layers: Any, retired: Any = ()) -> list[Any]:
