@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,9 +22,13 @@ from specshim.testing.forking import exit_status, forked
 from ._transport_helpers import _forward, _received, _states, _Worker
 
 
-def _fetcher(worker: _Worker):
+def _caller() -> tuple[HostRegion, Callable[[int], list[torch.Tensor]]]:
+    """A worker's slabs, and a fetch of one call through them: its two rows a
+    layer, cloned as speculators clones them."""
+    worker = _Worker([_forward([[1, 2]])])
+    region = worker._specshim_region = HostRegion()
+
     def fetch(seed: int) -> list[torch.Tensor]:
-        """One call's two rows a layer, cloned as speculators clones them."""
         states = _states([_forward([[seed, seed + 1]])])
         worker._captured_states = [[t + seed for t in layer] for layer in states]
         layers = _received(
@@ -31,7 +36,7 @@ def _fetcher(worker: _Worker):
         )
         return [h[0:2].clone() for h in layers]
 
-    return fetch
+    return region, fetch
 
 
 def _over_a_slab(rows: list[torch.Tensor], region: HostRegion) -> bool:
@@ -48,9 +53,7 @@ def _over_a_slab(rows: list[torch.Tensor], region: HostRegion) -> bool:
 
 
 def test_rows_held_across_a_fork_are_each_process_own():
-    worker = _Worker([_forward([[1, 2]])])
-    region = worker._specshim_region = HostRegion()
-    fetch = _fetcher(worker)
+    region, fetch = _caller()
     held = fetch(20)
     want = [t.clone() for t in held]
     assert _over_a_slab(held, region)
@@ -82,9 +85,7 @@ def test_rows_held_across_a_fork_are_each_process_own():
 
 
 def test_a_child_letting_go_of_its_copies_releases_nothing_of_the_parent():
-    worker = _Worker([_forward([[1, 2]])])
-    region = worker._specshim_region = HostRegion()
-    fetch = _fetcher(worker)
+    region, fetch = _caller()
     held = fetch(20)
     want = [t.clone() for t in held]
 
@@ -102,9 +103,8 @@ def test_a_child_letting_go_of_its_copies_releases_nothing_of_the_parent():
 
 
 def test_a_release_comes_only_from_the_process_that_attached():
-    worker = _Worker([_forward([[1, 2]])])
-    region = worker._specshim_region = HostRegion()
-    _fetcher(worker)(20)
+    region, fetch = _caller()
+    fetch(20)
     (path,) = [s.path for s in region.slabs]
     mapping = _handed_states._ATTACHED[path]
     before = bytes(mapping[8:16])
@@ -116,16 +116,15 @@ def test_a_release_comes_only_from_the_process_that_attached():
 
 
 def test_where_the_rows_cannot_be_copied_the_slab_is_never_reused(monkeypatch, caplog):
-    def refuse(mapping) -> None:
+    def refuse(mapping, fd) -> None:
         raise OSError(12, "mmap: Cannot allocate memory")
 
     monkeypatch.setattr(private_copy, "make_private", refuse)
-    worker = _Worker([_forward([[1, 2]])])
-    region = worker._specshim_region = HostRegion()
-    fetch = _fetcher(worker)
+    region, fetch = _caller()
     held = fetch(20)
     with forked(lambda: True) as pid:
         assert exit_status(pid) == 0
+    assert "Cannot allocate memory" in caplog.text  # the copy's own error
     assert "parent and child share it" in caplog.text
     del held
     gc.collect()
