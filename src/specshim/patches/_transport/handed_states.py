@@ -139,8 +139,7 @@ def _map(path: str) -> Any:
         os.close(fd)
         raise
     forget(())  # workers that exited without their generator's close()
-    with _FORKING:
-        _drop(path)
+    with _FORKING:  # attach maps only a path it does not hold
         _ATTACHED[path], _FILES[path] = mapping, fd
     _moved.add(slabs=1)
     unlink_quietly(path)
