@@ -120,6 +120,10 @@ _END = re.compile(
 )
 END_KEYS = ("finishing", "between_calls")
 
+# The manifest's fsyncs (the committer's group commit; older logs lack it).
+_SYNCS = re.compile(r"and committed [\d.]+ s \((\d+) fsyncs of the manifest\)")
+SYNC_KEYS = ("writer_syncs",)
+
 # And how the states came: slabs mapped, GB through vLLM's queue.
 _MOVED = re.compile(
     r"the states came through (\d+) shared slabs, and ([\d.]+) GB of them "
@@ -136,7 +140,12 @@ def extract_timing(log: str) -> dict[str, Any] | None:
     if not found:
         return None
     timing = dict(zip(TIMING_KEYS, map(float, found.groups()), strict=True))
-    for pattern, keys in ((_CALLS, CALL_KEYS), (_END, END_KEYS), (_MOVED, MOVED_KEYS)):
+    for pattern, keys in (
+        (_CALLS, CALL_KEYS),
+        (_END, END_KEYS),
+        (_MOVED, MOVED_KEYS),
+        (_SYNCS, SYNC_KEYS),
+    ):
         found = pattern.search(log)
         if found:
             timing |= dict(zip(keys, map(float, found.groups()), strict=True))
@@ -150,8 +159,13 @@ def timing_sentence(label: str, timing: dict[str, Any]) -> str:
         f"{timing['generate']} s and handing batches to the writer "
         f"{timing['handing']} s; the writer waited "
         f"{timing['writer_serializing']} s for its {int(timing['threads'])} "
-        f"threads' files, committed {timing['writer_committing']} s and "
-        f"waited for batches {timing['writer_idle']} s"
+        f"threads' files, committed {timing['writer_committing']} s"
+        + (
+            f" in {int(timing['writer_syncs'])} fsyncs of the manifest"
+            if "writer_syncs" in timing
+            else ""
+        )
+        + f" and waited for batches {timing['writer_idle']} s"
         + (
             f"; a generate() call took {timing['generate_first']} s first, "
             f"{timing['generate_median']} s at the median and "

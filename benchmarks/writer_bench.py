@@ -7,7 +7,8 @@ layer and sample, as ``generate()`` hands them over), on one disk:
   ``open``/``write``/``close``: what the disk takes without any format.
 * ``writer``: ``specshim.job.extract.writer.Writer`` itself, as ``extract`` drives it:
   batches put one at a time, ``prepare_sample`` on its pool, the manifest
-  fsynced per batch, every file renamed into place. The files are the ones
+  fsynced by its committer (once for the batches waiting), every file renamed
+  into place. The files are the ones
   ``extract`` writes (tests/unit/test_writer_bench.py compares them byte for
   byte).
 * ``writer, busy main thread``: the same, while another Python thread loops

@@ -63,9 +63,8 @@ def test_the_benches_read_where_extracts_time_went_from_its_own_line(
 
     from specshim.job.extract.command import _Pipeline
 
-    writer = SimpleNamespace(
-        written=3, tokens=30, idle=2.5, threads=8, serializing=0.25, committing=0.5
-    )
+    writer = SimpleNamespace(written=3, tokens=30, idle=2.5, threads=8)
+    writer.__dict__.update(serializing=0.25, committing=0.5, syncs=4)
     pipeline = SimpleNamespace(
         began=0.0,
         ended=10.0,
@@ -89,6 +88,7 @@ def test_the_benches_read_where_extracts_time_went_from_its_own_line(
         "threads": 8.0,
         "writer_serializing": 0.2,
         "writer_committing": 0.5,
+        "writer_syncs": 4.0,
         "generate_first": 2.25,
         "generate_median": 1.0,
         "generate_slowest": 2.25,
@@ -100,6 +100,7 @@ def test_the_benches_read_where_extracts_time_went_from_its_own_line(
     assert bench("plan").extract_timing("extract: wrote 3 samples") is None
     where = bench("reuse_bench").where({"timing": timing})
     assert where.startswith("of extract's 8.0 s, generate() took 6.5 s")
+    assert "committed 0.5 s in 4 fsyncs of the manifest and waited for" in where
     assert where.endswith(
         "a generate() call took 2.25 s first, 1.0 s at the median and 2.25 s "
         "at the slowest; after the last call the writer took 1.0 s to finish, "

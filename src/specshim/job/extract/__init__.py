@@ -12,6 +12,8 @@ Rooms:
   stops.
 * ``writer``: each batch's files, written on threads and committed to the
   manifest in order.
+* ``committer``: the writer's commits on a thread of their own, one fsync of
+  the manifest for all the batches waiting, then their renames.
 * ``torch_file``: ``torch.save``'s bytes, written with the GIL free for the
   main thread (the first file of each shape checked against torch.save).
 * ``startup``: progress lines while vLLM starts.

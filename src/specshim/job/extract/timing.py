@@ -27,6 +27,7 @@ def where_time_went(
         "writer_idle": writer.idle,
         "writer_serializing": writer.serializing,
         "writer_committing": writer.committing,
+        "writer_syncs": writer.syncs,
         "finishing": max(finishing, 0.0),
     }
     timing["between_calls"] = max(
@@ -36,7 +37,7 @@ def where_time_went(
         "extract: of %.1f s after the first generate(): generate() %.1f s, "
         "handing batches to the writer %.1f s; the writer waited for "
         "batches %.1f s, for its %d threads' files %.1f s, and committed "
-        "%.1f s",
+        "%.1f s (%d fsyncs of the manifest)",
         seconds,
         generating,
         handing,
@@ -44,6 +45,7 @@ def where_time_went(
         writer.threads,
         writer.serializing,
         writer.committing,
+        writer.syncs,
     )
     logger.info(
         "extract: after its last generate() the writer took %.2f s to finish; "

@@ -2,8 +2,9 @@
 the run's manifest, then renamed into place (``prepare_sample``, then
 ``commit``); a writer thread, so batch k is written while batch k+1
 generates, its files serialized by a small pool (batch k+1's already, while
-batch k commits) and committed in sample order with one fsync of the manifest
-per batch; and the progress bar or log line."""
+batch k commits) and committed in sample order by a thread of their own, one
+fsync of the manifest for all the batches waiting (``committer``); and the
+progress bar or log line."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from specshim._base import SpecShimError
+from specshim.job.extract.committer import Committer, publish, remove
 from specshim.job.extract.feed import Todo
 from specshim.job.outdir import store as _store
 from specshim.job.outdir.store import final_path
@@ -78,12 +80,11 @@ def prepare_sample(run: _store.Run, todo: Todo, result: dict[str, Any]) -> Prepa
 
 
 def commit(run: _store.Run, prepared: list[Prepared]) -> None:
-    """Record the samples (one fsync of the manifest), then rename each into
-    place: a file under its final name is always described by the manifest."""
-    if prepared:
-        run.record(*(p.entry for p in prepared))
-    for p in prepared:
-        os.replace(p.tmp, p.final)
+    """Record the samples at once (one fsync of the manifest), then rename
+    each into place: a file under its final name is always described by the
+    manifest. ``Writer`` does the same in two steps, on two threads."""
+    run.append(*(p.entry for p in prepared))
+    publish(run, prepared, [])
 
 
 class Progress:
@@ -137,26 +138,29 @@ def writers() -> int:
 
 
 class Writer:
-    """Writes batch k's files while batch k+1 generates: a thread and its pool.
+    """Writes batch k's files while batch k+1 generates: a thread, its pool
+    and its committer.
 
     ``put`` blocks while a batch waits (backpressure: at most one batch
-    generating, one waiting, one serializing and one committing). The first
-    failure stops the thread; the next ``put``, ``check`` or ``finish``
-    raises it.
+    generating, one waiting, one serializing and one committing; a batch
+    committing holds no states, its files are written). The first failure
+    stops the thread; the next ``put``, ``check`` or ``finish`` raises it.
     """
 
     def __init__(self, run: _store.Run, progress: Progress) -> None:
         self.run, self.progress = run, progress
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=1)
         self.written = self.tokens = 0
-        # Seconds the writer thread spent idle (waiting for a batch), waiting
-        # for its pool's files, and committing: where the run's time went.
-        self.idle = self.serializing = self.committing = 0.0
+        # Seconds the writer thread spent idle (waiting for a batch) and
+        # waiting for its pool's files; the committer's own, beside: where
+        # the run's time went.
+        self.idle = self.serializing = 0.0
         self.error: SpecShimError | None = None
         self.threads = writers()
         self.pool = ThreadPoolExecutor(
             max_workers=self.threads, thread_name_prefix="specshim-save"
         )
+        self.committer = Committer(run, self._published)
         self.thread = threading.Thread(
             target=self._loop, name="specshim-writer", daemon=True
         )
@@ -185,6 +189,24 @@ class Writer:
                 pending = following  # None after _SERIALIZED: that one is committed
         finally:
             self.pool.shutdown()
+            self.committer.close()  # what was handed to it is published
+
+    @property
+    def committing(self) -> float:
+        """Seconds the committer spent in fsyncs and renames."""
+        return self.committer.busy
+
+    @property
+    def syncs(self) -> int:
+        """The manifest's fsyncs: fewer than batches where the disk is slow."""
+        return self.committer.syncs
+
+    def _published(self, renamed: list[Prepared]) -> None:
+        """The committer's report (on its thread): these files are done."""
+        tokens = sum(len(p.todo) for p in renamed)
+        self.written += len(renamed)
+        self.tokens += tokens
+        self.progress.update(len(renamed), tokens)
 
     def _submit(
         self, batch: list[Todo], results: list[dict[str, Any]]
@@ -214,34 +236,41 @@ class Writer:
         return _SERIALIZED
 
     def _settle(self, batch: list[Todo], futures: list[Any]) -> bool:
-        """Commit a batch whose files the pool serializes; False (and
-        ``error`` set) where it failed."""
+        """Hand the committer a batch whose files the pool serializes, its
+        manifest lines appended; False (and ``error`` set) where it or an
+        earlier batch's commit failed."""
         started = time.monotonic()
         prepared, failed = self._prepare(batch, futures)
-        committed = time.monotonic()
-        self.serializing += committed - started
-        try:
-            commit(self.run, prepared)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            failed = failed or (batch[0], exc)
+        self.serializing += time.monotonic() - started
+        if self.committer.error is not None:
+            remove(prepared)
             prepared = []
-        self.committing += time.monotonic() - committed
-        tokens = sum(len(p.todo) for p in prepared)
-        self.written += len(prepared)
-        self.tokens += tokens
-        self.progress.update(len(prepared), tokens)
-        if failed is None:
+        elif prepared:
+            try:
+                self.run.append(*(p.entry for p in prepared))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                failed = (prepared[0].todo, exc)
+                remove(prepared)
+                prepared = []
+        if prepared:
+            self.committer.put(prepared)
+        if failed is None and self.committer.error is None:
             return True
-        todo, exc = failed
-        self.error = SpecShimError(
+        self.committer.close()  # the batches before the failure are published
+        # An earlier batch's commit failed first: its sample is the lower one.
+        self.error = self._failure(*(self.committer.error or failed))
+        return False
+
+    def _failure(self, todo: Todo, exc: BaseException) -> SpecShimError:
+        error = SpecShimError(
             f"writing data_{todo.index}.pt failed "
             f"({type(exc).__name__}: {exc}); the run stopped. The "
             f"{self.written} samples it wrote are complete: fix the "
             "cause (disk space, quota, permissions) and rerun the "
             "same command to resume."
         )
-        self.error.__cause__ = exc
-        return False
+        error.__cause__ = exc
+        return error
 
     @staticmethod
     def _discard(futures: list[Any]) -> None:
@@ -275,6 +304,9 @@ class Writer:
         return prepared, failed
 
     def check(self) -> None:
+        if self.error is None and self.committer.error is not None:
+            # Final: the committer publishes nothing after its failure.
+            self.error = self._failure(*self.committer.error)
         if self.error is not None:
             raise self.error
         if not self.thread.is_alive() and not self.queue.empty():

@@ -256,6 +256,13 @@ class Run:
     def record(self, *entries: Entry) -> None:
         """Append ``entries`` to this run's manifest, then one fsync: the
         caller renames their files into place only after this returns."""
+        self.append(*entries)
+        self.sync()
+
+    def append(self, *entries: Entry) -> None:
+        """Write ``entries``' lines to this run's manifest, flushed to the
+        kernel but not yet durable: their files are renamed into place only
+        after a later ``sync`` returns (``extract``'s committer)."""
         lines = [
             json.dumps(
                 [
@@ -274,7 +281,22 @@ class Run:
         with self._lock:
             for line in lines:
                 self._write_line(line)
-            os.fsync(self._manifest_handle.fileno())
+
+    def sync(self) -> None:
+        """Make every line appended so far durable: one fsync, outside the
+        lock on a descriptor of its own (appends go on; close cannot pull it)."""
+        with self._lock:
+            if self._closed:
+                raise SpecShimError(
+                    f"run {self.id} is closed; nothing more is recorded"
+                )
+            if self._manifest_handle is None:
+                return
+            fd = os.dup(self._manifest_handle.fileno())
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _write_line(self, line: str) -> None:
         if self._closed:
