@@ -118,10 +118,14 @@ def _uint8() -> Any:
     return torch.uint8
 
 
-def write_with_writer(pairs: list[Any], out: Path, busy: bool = False) -> float:
+def write_with_writer(
+    pairs: list[Any], out: Path, busy: bool = False, commits: Any = None
+) -> float:
     """Seconds for extract's writer to write and commit every sample into
     ``out`` (a fresh output directory), the main thread only handing batches
-    over; ``busy``: while a thread spins on the GIL as vLLM's reply wait does."""
+    over; ``busy``: while a thread spins on the GIL as vLLM's reply wait does.
+    ``commits`` (a list) gets the committer's seconds and its syncs of the
+    manifest: what making the lines durable cost while the files were written."""
     from specshim.job.extract.writer import Progress, Writer
     from specshim.job.outdir import store
 
@@ -147,6 +151,8 @@ def write_with_writer(pairs: list[Any], out: Path, busy: bool = False) -> float:
         run.close()
     if writer.written != len(pairs):
         raise RuntimeError(f"the writer wrote {writer.written} of {len(pairs)}")
+    if commits is not None:
+        commits.append((seconds, round(writer.committing, 3), writer.syncs))
     return seconds
 
 
@@ -257,9 +263,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "passes": args.passes,
         "page_cache": page_cache(),
     }
+    commits: list[Any] = []
     runs = {
         "plain": lambda d: write_plain(pairs, d),
-        "writer": lambda d: write_with_writer(pairs, d),
+        "writer": lambda d: write_with_writer(pairs, d, commits=commits),
         "writer, busy main thread": lambda d: write_with_writer(pairs, d, busy=True),
     }
     if args.brief:
@@ -276,6 +283,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{label}: {found[label]} GB/s", flush=True)
     for label in list(runs)[1:]:
         found[f"{label} / plain"] = round(found[label] / found["plain"], 3)
+    _, found["commit_seconds"], found["commit_syncs"] = min(commits)
     shares = () if args.brief else (("torch_file", False), ("torch.save", True))
     for label, torch_save in shares:
         best = max(
@@ -304,6 +312,7 @@ def render(found: dict[str, Any]) -> str:
         f"Plain write of the same bytes, one thread: {found['plain']} GB/s.\n\n"
         + _page_cache(found)
         + _shares(found)
+        + _commits(found)
         + "| extract's writer | GB/s | ÷ plain |\n|---|---:|---:|\n"
         f"{rows}\n\n"
         f"Host: {found.get('host', 'unknown')}; {found.get('date', '')}.\n"
@@ -324,6 +333,17 @@ def _page_cache(found: dict[str, Any]) -> str:
         f"(vm.dirty_ratio {cache['dirty_ratio']}, dirty_background_ratio "
         f"{cache.get('dirty_background_ratio', '?')}): these states were "
         f"{over} that.\n\n"
+    )
+
+
+def _commits(found: dict[str, Any]) -> str:
+    """The writer's commits in its best pass (results from before have none)."""
+    if "commit_syncs" not in found:
+        return ""
+    return (
+        f"In the writer's best pass its committer made the manifest's lines "
+        f"durable {found['commit_syncs']} times, in {found['commit_seconds']} "
+        "s with the renames, beside the files being written.\n\n"
     )
 
 

@@ -87,6 +87,7 @@ def test_brief_runs_the_plain_write_and_the_writer_only(bench, tmp_path, monkeyp
     assert bench.main() == 0
     found = json.loads((tmp_path / "r" / "writer.json").read_text())["2 x 64"]
     assert found["plain"] > 0 and found["writer / plain"] > 0
+    assert found["commit_syncs"] >= 1 and found["commit_seconds"] >= 0
     assert not [k for k in found if "busy" in k or "share" in k]
 
 

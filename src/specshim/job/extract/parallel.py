@@ -161,7 +161,8 @@ class _Child:
             self._manifest = mine[0]
         with contextlib.suppress(OSError), self._manifest.open("rb") as handle:
             handle.seek(self._offset)
-            chunk = handle.read()
+            # Up to the room's zeros, where the child's next lines will go.
+            chunk = handle.read().split(b"\0", 1)[0]
             self._offset += len(chunk)
             *lines, self._rest = (self._rest + chunk).split(b"\n")
             for line in lines:

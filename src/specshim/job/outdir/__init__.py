@@ -7,6 +7,8 @@ Rooms:
   files; settling what a killed run left behind.
 * ``manifest``: the record of which files are whole, with their sizes and
   checksums; a file counts only once the manifest describes it.
+* ``manifest_room``: a run's manifest as it writes it, lines laid into
+  zero-filled room so that making them durable waits for nothing else.
 * ``data_config``: ``data_config.json``, the settings the samples were
   extracted with, published once and checked by every later run.
 """

@@ -66,7 +66,9 @@ def decode_json(text: str) -> Any:
 def read_manifest(path: Path) -> tuple[dict[str, Any], list[Entry]]:
     """One run's manifest: its header and its entries.
 
-    A torn last line (a run killed mid-write) is skipped. So is any other line
+    A torn last line (a run killed mid-write) is skipped, and so is a line
+    with a NUL byte (a live run's zero-filled room, or a crash's tear in it:
+    ``manifest_room``). So is any other line
     that is not as a run writes it, with a warning: what it says is not
     trusted, so a file it describes counts as not proven.
     """
@@ -74,6 +76,11 @@ def read_manifest(path: Path) -> tuple[dict[str, Any], list[Entry]]:
     entries, damaged = [], []
     with path.open(encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, 1):
+            if "\0" in line:
+                # The room's zeros (``manifest_room``): where a live run's
+                # lines end, or one a crash tore before it was made durable
+                # (so no file was renamed on its word).
+                continue
             fields, why = parse_line(line)
             if isinstance(fields, dict):
                 header.update(fields)

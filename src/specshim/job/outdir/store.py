@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 from specshim._base import SpecShimError, UsageError, pid_alive
 from specshim.job.outdir.data_config import CONFIG_NAME, read_config
 from specshim.job.outdir.manifest import Entry, read_manifest
+from specshim.job.outdir.manifest_room import ManifestRoom, fdatasync
 
 T = TypeVar("T")
 
@@ -152,7 +153,7 @@ class Run:
         self.id = f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
         self.heartbeat = out / META / "runs" / self.id
         self.manifest = out / META / "manifest" / f"{self.id}.jsonl"
-        self._manifest_handle: Any = None
+        self._manifest = ManifestRoom(self.manifest)
         # The writer thread records while the main thread may close the run
         # (Ctrl-C twice): nothing is recorded after close.
         self._lock = threading.Lock()
@@ -189,9 +190,7 @@ class Run:
             self._thread.join(timeout=5)
         with self._lock:
             self._closed = True
-            if self._manifest_handle is not None:
-                self._manifest_handle.close()
-                self._manifest_handle = None
+            self._manifest.close()
         self.heartbeat.unlink(missing_ok=True)
         for leftover in self.out.glob(f".*.{self.id}.partial"):
             leftover.unlink(missing_ok=True)
@@ -254,15 +253,15 @@ class Run:
             self._write_line(json.dumps(fields))
 
     def record(self, *entries: Entry) -> None:
-        """Append ``entries`` to this run's manifest, then one fsync: the
-        caller renames their files into place only after this returns."""
+        """Append ``entries`` to this run's manifest and make them durable:
+        the caller renames their files into place only after this returns."""
         self.append(*entries)
         self.sync()
 
     def append(self, *entries: Entry) -> None:
-        """Write ``entries``' lines to this run's manifest, flushed to the
-        kernel but not yet durable: their files are renamed into place only
-        after a later ``sync`` returns (``extract``'s committer)."""
+        """Write ``entries``' lines to this run's manifest, in the kernel but
+        not yet durable: their files are renamed into place only after a
+        later ``sync`` returns (``extract``'s committer)."""
         lines = [
             json.dumps(
                 [
@@ -279,34 +278,32 @@ class Run:
             for entry in entries
         ]
         with self._lock:
-            for line in lines:
-                self._write_line(line)
+            self._write_line("\n".join(lines))
 
     def sync(self) -> None:
-        """Make every line appended so far durable: one fsync, outside the
-        lock on a descriptor of its own (appends go on; close cannot pull it)."""
+        """Make every line appended so far durable: one fdatasync
+        (``manifest_room``), outside the lock on a descriptor of its own
+        (appends go on; close cannot pull it)."""
         with self._lock:
             if self._closed:
                 raise SpecShimError(
                     f"run {self.id} is closed; nothing more is recorded"
                 )
-            if self._manifest_handle is None:
-                return
-            fd = os.dup(self._manifest_handle.fileno())
+            fd = self._manifest.duplicate()
+        if fd is None:
+            return
         try:
-            os.fsync(fd)
+            fdatasync(fd)
         finally:
             os.close(fd)
 
     def _write_line(self, line: str) -> None:
         if self._closed:
             raise SpecShimError(f"run {self.id} is closed; nothing more is recorded")
-        if self._manifest_handle is None:
-            self._manifest_handle = self.manifest.open("a", encoding="utf-8")
+        if not self._manifest.opened:
             header = {"run": self.id, "started": time.time(), **self.header}
-            self._manifest_handle.write(json.dumps(header) + "\n")
-        self._manifest_handle.write(line + "\n")
-        self._manifest_handle.flush()
+            self._manifest.write(json.dumps(header) + "\n")
+        self._manifest.write(line + "\n")
 
 
 def existing_files(
