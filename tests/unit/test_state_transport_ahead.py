@@ -117,3 +117,27 @@ def test_a_slab_whose_lock_is_held_is_kept_whatever_its_pid(tmp_path):
     assert len(os.listdir(tmp_path)) == 1
     del held
     region.close()
+
+
+def test_a_slab_file_is_locked_before_its_name_appears(monkeypatch):
+    """The lock is all that tells a live worker's file from a dead one's
+    where pids repeat (--ipc=host): a sweep run the moment the worker takes
+    its lock must not find the file, and once it has its name it is locked."""
+    from specshim.patches._transport import slab as _slab
+
+    path = os.path.join(_slab.DIRECTORY, f"{_slab.PREFIX}-{os.getpid()}-t-{id(_slab)}")
+    flock, swept = fcntl.flock, []
+
+    def sweeping_flock(fd, operation):
+        if operation == fcntl.LOCK_SH:
+            swept.append(_slab.remove_unlocked(path))
+        return flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", sweeping_flock)
+    slab = _host_slabs.Slab(path, 8192)
+    try:
+        assert swept == [None], "a sweep found the new file unlocked and removed it"
+        assert os.path.exists(path) and _slab.remove_unlocked(path) is None
+    finally:
+        slab.close()
+    assert not os.path.exists(path)

@@ -6,7 +6,6 @@ write, and when."""
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import logging
 import mmap
@@ -17,6 +16,7 @@ import time
 from specshim.patches._transport.slab import (
     HEADER,
     PREFIX,
+    create_locked,
     read_word,
     remove_unlocked,
     unlink_quietly,
@@ -33,11 +33,11 @@ class Slab:
     def __init__(self, path: str, size: int) -> None:
         import torch
 
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # Its lock is held as long as this process lives (the descriptor
+        # stays open): a file no process holds a lock on was left by a killed
+        # run. Held from before the file has its name.
+        fd = create_locked(path)
         try:
-            # Held as long as this process lives (the descriptor stays open):
-            # a file no process holds a lock on was left by a killed run.
-            fcntl.flock(fd, fcntl.LOCK_SH)
             # tmpfs allocates lazily: reserve now, or a full /dev/shm kills the
             # worker with SIGBUS in the middle of a copy.
             os.posix_fallocate(fd, 0, size)

@@ -54,3 +54,55 @@ def remove_unlocked(path: str) -> int | None:
         return size
     finally:
         os.close(fd)
+
+
+def create_locked(path: str) -> int:
+    """A descriptor of a new file at ``path`` (refused if one is there), with
+    its owner's shared lock already held when the name appears: the file is
+    made without a name (``O_TMPFILE``), locked, then linked under ``path``,
+    so ``remove_unlocked`` in another process never finds it unlocked. Where
+    that cannot be done (no ``O_TMPFILE`` on the filesystem, no ``/proc``),
+    it is created by name and locked at once: a window of microseconds, in
+    which only a sweep of files whose pid looks dead (``--ipc=host``) could
+    fall."""
+    fd = _nameless_locked(path)
+    if fd is not None:
+        return fd
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        unlink_quietly(path)
+        raise
+    return fd
+
+
+def _nameless_locked(path: str) -> int | None:
+    directory, name = os.path.split(path)
+    try:
+        fd = os.open(directory or ".", os.O_TMPFILE | os.O_RDWR, 0o600)
+    except (AttributeError, OSError):
+        return None
+    try:
+        folder = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        os.close(fd)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        # linkat(AT_SYMLINK_FOLLOW): os.link uses it only given a dir_fd
+        # (plain link() would link /proc's symlink itself).
+        os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=folder, follow_symlinks=True)
+    except FileExistsError:
+        os.close(fd)
+        raise
+    except OSError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        os.close(folder)
+    return fd
