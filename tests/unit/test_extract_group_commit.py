@@ -110,3 +110,48 @@ def test_a_failed_fsync_stops_the_run_and_what_it_published_is_whole(
     assert counts["written"] == SAMPLES - first
     written = _written(out)
     assert written == {i: [i + 1, i + 2] for i in range(SAMPLES)}
+
+
+def test_a_commit_that_fails_twice_over_still_stops_the_run(
+    tmp_path, tiny_model_dir, fake, monkeypatch
+):
+    """The fsync fails and so does removing the unpublished files (a disk
+    gone read-only): the committer must not die without its error, or the
+    writer would go on and the run end with samples missing."""
+    calls: list[int] = []
+    sync, unlink = _store.Run.sync, Path.unlink
+
+    def failing_sync(run):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        sync(run)
+
+    def failing_unlink(path, missing_ok=False):
+        if path.name.endswith(".partial") and len(calls) == 2:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(_store.Run, "sync", failing_sync)
+    monkeypatch.setattr(Path, "unlink", failing_unlink)
+    out = tmp_path / "out"
+    with pytest.raises(SpecShimError, match=r"failed \(OSError: .*Input/output"):
+        extract(_options(tiny_model_dir("llama"), _data(tmp_path), out))
+    assert len(calls) == 2
+
+
+def test_samples_handed_over_and_never_published_fail_the_run(
+    tmp_path, tiny_model_dir, fake, monkeypatch
+):
+    """The last line of defence: a writer that ends without an error, yet
+    published fewer samples than it was handed, fails the run."""
+    from specshim.job.extract.writer import Writer
+
+    published = Writer._published
+
+    def losing(self, renamed):
+        published(self, renamed[1:])  # one sample a commit goes uncounted
+
+    monkeypatch.setattr(Writer, "_published", losing)
+    with pytest.raises(SpecShimError, match=r"the writer published \d+ of the 40"):
+        extract(_options(tiny_model_dir("llama"), _data(tmp_path), tmp_path / "o"))

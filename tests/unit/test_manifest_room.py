@@ -4,10 +4,13 @@ readers stop at the zeros, and a closed run's manifest is plain JSON lines."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import time
+
+import pytest
 
 from specshim.job.extract import parallel
 from specshim.job.extract.parallel import Slot
@@ -108,3 +111,28 @@ def test_the_data_parallel_tally_waits_at_the_zeros_for_the_next_lines(tmp_path)
     child.read_manifest(tmp_path)
     run.close()
     assert (child.samples, child.tokens) == (3, 750)
+
+
+def test_a_failed_fsync_of_the_room_fails_every_later_sync(tmp_path, monkeypatch):
+    """Linux reports a write-back error once per open file: the room's fsync
+    may take it from lines not yet synced, whose later fdatasync would then
+    return 0. So the room's failure fails every later sync, and nothing is
+    renamed on those lines. No entries, no line."""
+    monkeypatch.setattr(_room, "ROOM", 1024)
+    run = _run(tmp_path)
+    run.record(_entry(0))
+    run.append()
+    run.append(_entry(1))  # not yet durable
+    fsync = os.fsync
+
+    def failing(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(OSError):
+        run.append(*(_entry(i) for i in range(2, 40)))  # the room must grow
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError, match="the manifest could not be made durable"):
+        run.sync()
+    run.close()
+    assert b"\n\n" not in run.manifest.read_bytes()

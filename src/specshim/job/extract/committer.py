@@ -15,6 +15,7 @@ and the following fsync covers them all: the slower the disk, the fewer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -74,10 +75,15 @@ class Committer:
             if not queued:
                 return
             prepared = [p for batch in queued for p in batch]
-            if self.error is None:
-                self._publish(prepared)
-            else:
-                remove(prepared)
+            try:
+                if self.error is None:
+                    self._publish(prepared)
+                else:
+                    remove(prepared)
+            except BaseException as exc:  # noqa: BLE001 - a bug: still reported
+                # Never a dead thread with no error: the writer would go on
+                # and the run end with samples missing.
+                self.error = self.error or (prepared[0].todo, exc)
 
     def _publish(self, prepared: list[Any]) -> None:
         started = time.monotonic()
@@ -97,6 +103,9 @@ class Committer:
 
 
 def remove(prepared: list[Any]) -> None:
-    """Files never to be published: their temporary names removed."""
+    """Files never to be published: their temporary names removed, as far as
+    the disk lets (one left over is removed by the run's close, or by the
+    next run once this one is gone; it is never under a final name)."""
     for p in prepared:
-        p.tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            p.tmp.unlink(missing_ok=True)

@@ -161,8 +161,7 @@ class _Child:
             self._manifest = mine[0]
         with contextlib.suppress(OSError), self._manifest.open("rb") as handle:
             handle.seek(self._offset)
-            # Up to the room's zeros, where the child's next lines will go.
-            chunk = handle.read().split(b"\0", 1)[0]
+            chunk = _up_to_zeros(handle)
             self._offset += len(chunk)
             *lines, self._rest = (self._rest + chunk).split(b"\n")
             for line in lines:
@@ -176,6 +175,19 @@ class _Child:
             self.first = self.first or time.time()
             if self.state == "starting":
                 self.state = "running"
+
+
+def _up_to_zeros(handle: IO[bytes], block: int = 1 << 16) -> bytes:
+    """What a manifest holds from here to the room's zeros (``manifest_room``),
+    where the child's next lines will go: read a block at a time, not the
+    room's megabyte on every poll."""
+    parts = []
+    while chunk := handle.read(block):
+        lines, zero, _ = chunk.partition(b"\0")
+        parts.append(lines)
+        if zero:
+            break
+    return b"".join(parts)
 
 
 def _start(slot: Slot, argv: list[str], out: Path, runs: int = 1) -> _Child:

@@ -83,8 +83,9 @@ def commit(run: _store.Run, prepared: list[Prepared]) -> None:
     """Record the samples at once (one fsync of the manifest), then rename
     each into place: a file under its final name is always described by the
     manifest. ``Writer`` does the same in two steps, on two threads."""
-    run.append(*(p.entry for p in prepared))
-    publish(run, prepared, [])
+    if prepared:
+        run.append(*(p.entry for p in prepared))
+        publish(run, prepared, [])
 
 
 class Progress:
@@ -151,6 +152,7 @@ class Writer:
         self.run, self.progress = run, progress
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=1)
         self.written = self.tokens = 0
+        self.handed = 0  # samples put: each one published, or the run fails
         # Seconds the writer thread spent idle (waiting for a batch) and
         # waiting for its pool's files; the committer's own, beside: where
         # the run's time went.
@@ -325,6 +327,7 @@ class Writer:
                 )
             try:
                 self.queue.put((batch, results), timeout=0.5)
+                self.handed += len(batch)
                 return
             except queue.Full:
                 continue
@@ -339,6 +342,13 @@ class Writer:
                 continue
         self.thread.join()
         self.check()
+        if self.written != self.handed:
+            # Fail closed: no error was raised, yet samples went missing.
+            raise SpecShimError(
+                f"the writer published {self.written} of the {self.handed} "
+                "samples handed to it (a specshim bug; please report it); the "
+                "files written are complete: rerun the same command to resume"
+            )
 
 
 def drain(writer: Writer) -> None:

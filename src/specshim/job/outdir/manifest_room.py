@@ -21,6 +21,7 @@ plain JSON lines.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -35,6 +36,10 @@ class ManifestRoom:
         self.path = path
         self._fd: int | None = None
         self._end = self._room = 0  # bytes of lines; of lines and zeros
+        # A failed fsync of the room: Linux reports a write-back error once
+        # per open file, and that fsync may have taken it from lines not yet
+        # synced. Every later sync fails with it: nothing is renamed on them.
+        self._failed: OSError | None = None
 
     @property
     def opened(self) -> bool:
@@ -50,23 +55,35 @@ class ManifestRoom:
             self._end = self._room = os.fstat(self._fd).st_size
         if self._end + len(data) > self._room:
             grow = max(ROOM, len(data))
-            _write_all(self._fd, bytes(grow), self._room)
-            os.fsync(self._fd)  # allocated and sized: later lines change neither
+            try:
+                _write_all(self._fd, bytes(grow), self._room)
+                os.fsync(self._fd)  # allocated and sized: lines change neither
+            except OSError as exc:
+                self._failed = exc
+                raise
             self._room += grow
         _write_all(self._fd, data, self._end)
         self._end += len(data)
 
     def duplicate(self) -> int | None:
         """A descriptor of its own for ``fdatasync`` (None before the first
-        line): the caller syncs outside the run's lock and closes it."""
+        line): the caller syncs outside the run's lock and closes it. Raises
+        the room's failure, if any (the lines may not reach the disk)."""
+        if self._failed is not None:
+            raise OSError(
+                self._failed.errno,
+                f"the manifest could not be made durable ({self._failed.strerror})",
+            )
         return None if self._fd is None else os.dup(self._fd)
 
     def close(self) -> None:
         """Cut the zeros off (no sync: the lines were made durable before
-        their files were renamed) and close."""
+        their files were renamed; where the disk refuses, readers skip the
+        zeros) and close."""
         if self._fd is not None:
             try:
-                os.ftruncate(self._fd, self._end)
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, self._end)
             finally:
                 os.close(self._fd)
                 self._fd = None

@@ -23,6 +23,7 @@ sharing the directory, can write into it at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -191,9 +192,12 @@ class Run:
         with self._lock:
             self._closed = True
             self._manifest.close()
-        self.heartbeat.unlink(missing_ok=True)
-        for leftover in self.out.glob(f".*.{self.id}.partial"):
-            leftover.unlink(missing_ok=True)
+        # As far as the disk lets: a run stopped by a failing disk reports
+        # that failure, not this (what is left, the next run removes).
+        with contextlib.suppress(OSError):
+            self.heartbeat.unlink(missing_ok=True)
+            for leftover in self.out.glob(f".*.{self.id}.partial"):
+                leftover.unlink(missing_ok=True)
 
     def is_live(self, run: str) -> bool:
         """Whether run ``run`` may still be writing (never guesses 'dead' early)."""
@@ -262,21 +266,11 @@ class Run:
         """Write ``entries``' lines to this run's manifest, in the kernel but
         not yet durable: their files are renamed into place only after a
         later ``sync`` returns (``extract``'s committer)."""
-        lines = [
-            json.dumps(
-                [
-                    entry.index,
-                    entry.tokens,
-                    entry.record,
-                    entry.size,
-                    entry.inode,
-                    entry.mtime_ns,
-                    entry.num_tokens,
-                    entry.truncated,
-                ]
-            )
-            for entry in entries
-        ]
+        # Entry's fields in their order: index, tokens, record, size, inode,
+        # mtime_ns, num_tokens, truncated (``manifest.parse_line``).
+        lines = [json.dumps(dataclasses.astuple(entry)) for entry in entries]
+        if not lines:
+            return
         with self._lock:
             self._write_line("\n".join(lines))
 
