@@ -279,10 +279,7 @@ class Run:
         (``manifest_room``), outside the lock on a descriptor of its own
         (appends go on; close cannot pull it)."""
         with self._lock:
-            if self._closed:
-                raise SpecShimError(
-                    f"run {self.id} is closed; nothing more is recorded"
-                )
+            self._refuse_if_closed()
             fd = self._manifest.duplicate()
         if fd is None:
             return
@@ -291,9 +288,12 @@ class Run:
         finally:
             os.close(fd)
 
-    def _write_line(self, line: str) -> None:
+    def _refuse_if_closed(self) -> None:
         if self._closed:
             raise SpecShimError(f"run {self.id} is closed; nothing more is recorded")
+
+    def _write_line(self, line: str) -> None:
+        self._refuse_if_closed()
         if not self._manifest.opened:
             header = {"run": self.id, "started": time.time(), **self.header}
             self._manifest.write(json.dumps(header) + "\n")

@@ -89,20 +89,19 @@ def _nameless_locked(path: str) -> int | None:
     except OSError:
         os.close(fd)
         return None
+    linked = False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         # linkat(AT_SYMLINK_FOLLOW): os.link uses it only given a dir_fd
         # (plain link() would link /proc's symlink itself).
         os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=folder, follow_symlinks=True)
+        linked = True
     except FileExistsError:
-        os.close(fd)
-        raise
+        raise  # as O_EXCL would: the name is taken
     except OSError:
-        os.close(fd)
-        return None
-    except BaseException:
-        os.close(fd)
-        raise
+        return None  # created by name instead
     finally:
         os.close(folder)
+        if not linked:
+            os.close(fd)
     return fd
